@@ -1,0 +1,28 @@
+#!/bin/bash
+# H100 acceptance: one device call. Usage (device tool, carry .whl_engine): bash reports/engine/h100_run.sh
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_engine/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# the package maps folders to tangram.* names; without an install, a sitecustomize adds the repo root to tangram's path
+echo "import sys; sys.path.insert(0, '$PWD')
+import tangram; tangram.__path__.append('$PWD')" > /tmp/site/sitecustomize.py
+python3 -c "import tangram.sim, tangram.kernels, tangram.traces, torch, triton, simpy; print('imports ok', torch.__version__, triton.__version__, torch.cuda.get_device_name())" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/device.txt
+if [ "${PHASE:-bench}" = validate ]; then
+  python3 reports/engine/make_trace.py /tmp/vtrace.jsonl --sessions ${VSESSIONS:-4} --first ${VFIRST:-8000} --out-tokens ${VOUTTOK:-64}
+  timeout ${VLIMIT:-540} python3 -m tangram.tuning.validate ${CONFIGS:-reports/validation/configs/*.json} --trace /tmp/vtrace.jsonl \
+    --kv-pool-gib ${POOL:-2.5} --out $OUT/v 2>&1 | tee $OUT/validate.log
+  cp /tmp/vtrace.jsonl $OUT/v/trace.jsonl
+  exit 0
+fi
+mkdir -p $OUT/b
+python3 reports/engine/h100_check.py $OUT/check.json 2>&1 | tee $OUT/check.log
+python3 reports/engine/make_trace.py /tmp/trace.jsonl --sessions ${SESSIONS:-8} --first ${FIRST:-12000} --out-tokens ${OUTTOK:-192}
+cp /tmp/trace.jsonl $OUT/b/trace.jsonl
+for mode in ${MODES:-tangram br+rp dynamic br full}; do
+  d=$OUT/b/$(echo $mode | tr + _)
+  timeout ${MODE_LIMIT:-170} python3 -m tangram.engine.bench /tmp/trace.jsonl --mode $mode --model llama-3.1-8b \
+    --weights random --rho 0.25 --alpha 2 --hp 4 --kv-pool-gib ${POOL:-2.5} --no-plots $EXTRA --out $d 2>&1 \
+    | grep -v "it/s\]" | tee $d.log
+done
+cd $OUT && tar czf bench.tgz b && rm -rf b

@@ -1,0 +1,245 @@
+"""Serving harness: arrivals, sessions, routing and replicas in SimPy, generic over the executor.
+
+A replica is a shared :class:`tangram.scheduler.Scheduler` plus any object with
+``execute(plan) -> StepResult``: the simulator's :class:`~tangram.sim.costmodel.CostModel`
+or the GPU engine's executor (whose ``duration_s`` is the measured wall time of
+the step). Nothing here knows how a step is priced, so ``tangram-bench`` can
+drive the GPU through this same code (``realtime=True`` runs SimPy against the
+wall clock instead of virtual time).
+
+* First turns arrive open-loop at ``arrival_s``; a later turn becomes ready
+  ``think_time_s`` after the previous turn of its session finished (closed loop).
+* The router picks a replica per turn: ``round-robin``, ``least-outstanding``
+  (fewest unfinished tokens) or ``session-affinity`` (later turns go where the
+  session's KV lives; first turns to the least-outstanding replica). A turn
+  routed away from the replica holding its session recomputes the history there,
+  and the old replica drops the session's KV.
+* A rejected turn rejects the rest of its session ("previous turn rejected");
+  a session's KV is released (``end_session``) after its last turn.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import simpy
+
+from tangram.metrics import RequestRecord
+from tangram.plan import StepPlan, StepResult
+from tangram.scheduler import Scheduler
+
+ROUTERS = ("round-robin", "least-outstanding", "session-affinity")
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass
+class ReplicaTrace:
+    """What one replica did over time (KV samples after each step; step time per operator)."""
+
+    t: list = field(default_factory=list)
+    reserved: list = field(default_factory=list)
+    live: list = field(default_factory=list)
+    breakdown: dict = field(default_factory=dict)
+    steps: int = 0
+    busy_s: float = 0.0
+    prefill_step_s: float = 0.0
+
+
+@dataclass
+class ClusterResult:
+    records: list[RequestRecord]
+    replicas: list[ReplicaTrace]
+    schedulers: list[Scheduler]
+    end_s: float
+
+    @property
+    def steps(self) -> int:
+        return sum(r.steps for r in self.replicas)
+
+
+class _Replica:
+    def __init__(self, idx: int, sched: Scheduler, executor: Executor):
+        self.idx, self.sched, self.executor = idx, sched, executor
+        self.outstanding = 0
+        self.wake: simpy.Event | None = None
+        self.trace = ReplicaTrace()
+
+
+class Cluster:
+    def __init__(self, trace, replicas: Sequence[tuple[Scheduler, Executor]], router: str = "session-affinity", *,
+                 realtime: bool = False, realtime_factor: float = 1.0,
+                 progress: Callable[[int], None] | None = None, record_kv: bool = True):
+        if router not in ROUTERS:
+            from tangram.errors import ConfigError
+
+            raise ConfigError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
+        if not replicas:
+            from tangram.errors import ConfigError
+
+            raise ConfigError("need at least one replica")
+        self.turns = list(trace.turns)
+        self.router = router
+        self.env = simpy.rt.RealtimeEnvironment(factor=realtime_factor, strict=False) if realtime \
+            else simpy.Environment()
+        self.replicas = [_Replica(i, s, e) for i, (s, e) in enumerate(replicas)]
+        self.progress = progress
+        self.record_kv = record_kv
+        self._rr = 0
+        # per-session state: turn indices in order, holder replica, logical context
+        self.session_turns: dict[str, list[int]] = {}
+        for i, t in enumerate(self.turns):
+            self.session_turns.setdefault(t.session_id, []).append(i)
+        for idxs in self.session_turns.values():
+            idxs.sort(key=lambda i: self.turns[i].turn)
+        self.holder: dict[str, _Replica] = {}
+        self.context: dict[str, int] = {}
+        self.records = [RequestRecord(request_id=t.request_id, rid=i, session_id=t.session_id, turn=t.turn,
+                                      new_tokens=t.new_tokens, output_tokens=t.output_tokens)
+                        for i, t in enumerate(self.turns)]
+
+    # ------------------------------------------------------------------ routing
+    def _route(self, sid: str, turn: int) -> _Replica:
+        if self.router == "round-robin":
+            r = self.replicas[self._rr % len(self.replicas)]
+            self._rr += 1
+            return r
+        if self.router == "session-affinity" and sid in self.holder:
+            return self.holder[sid]
+        return min(self.replicas, key=lambda r: (r.outstanding, r.idx))
+
+    # ------------------------------------------------------------------ intake
+    def _submit(self, idx: int, ready_s: float) -> None:
+        t = self.turns[idx]
+        rec = self.records[idx]
+        rec.arrival_s = ready_s
+        sid = t.session_id
+        rep = self._route(sid, t.turn)
+        old = self.holder.get(sid)
+        new_tokens = t.new_tokens
+        if old is not None and old is not rep:  # migrate: drop the KV there, recompute the history here
+            old.sched.end_session(sid)
+            new_tokens += self.context.get(sid, 0)
+        self.holder[sid] = rep
+        rec.replica = rep.idx
+        rec.prefill_tokens = new_tokens
+        events = rep.sched.add_request(idx, sid, new_tokens, t.output_tokens)
+        if events:  # rejected at intake
+            self._reject_session(idx, events[0].detail, rep)
+            return
+        rep.outstanding += new_tokens + t.output_tokens
+        if rep.wake is not None and not rep.wake.triggered:
+            rep.wake.succeed()
+
+    def _reject_session(self, idx: int, reason: str, rep: _Replica) -> None:
+        t = self.turns[idx]
+        self._mark_rejected(idx, reason)
+        for j in self.session_turns[t.session_id]:
+            if self.turns[j].turn > t.turn:
+                self._mark_rejected(j, "previous turn rejected")
+        rep.sched.end_session(t.session_id)
+        self.holder.pop(t.session_id, None)
+
+    def _mark_rejected(self, idx: int, reason: str) -> None:
+        rec = self.records[idx]
+        rec.status, rec.reason = "rejected", reason
+        if self.progress:
+            self.progress(1)
+
+    def _arrivals(self):
+        firsts = sorted((i for i, t in enumerate(self.turns) if t.turn == 0),
+                        key=lambda i: (self.turns[i].arrival_s, i))
+        env = self.env
+        for i in firsts:
+            dt = self.turns[i].arrival_s - env.now
+            if dt > 0:
+                yield env.timeout(dt)
+            self._submit(i, float(self.turns[i].arrival_s))
+
+    # ------------------------------------------------------------------ replicas
+    def _run_replica(self, rep: _Replica):
+        env, sched, tr = self.env, rep.sched, rep.trace
+        while True:
+            if not sched.has_work():
+                rep.wake = env.event()
+                yield rep.wake
+                rep.wake = None
+                continue
+            t0 = env.now
+            plan = sched.schedule()
+            if plan.empty:  # nothing runnable until something else happens (an arrival)
+                self._handle(rep, sched.update(plan, StepResult(plan.step, 0.0)), t0, t0)
+                rep.wake = env.event()
+                yield rep.wake
+                rep.wake = None
+                continue
+            res = rep.executor.execute(plan)
+            yield env.timeout(res.duration_s)
+            t1 = env.now
+            events = sched.update(plan, res)
+            tr.steps += 1
+            tr.busy_s += res.duration_s
+            if plan.num_prefill:
+                tr.prefill_step_s += res.duration_s
+            bd = tr.breakdown
+            for k, v in res.breakdown.items():
+                bd[k] = bd.get(k, 0.0) + v
+            if self.record_kv:
+                tr.t.append(t1)
+                tr.reserved.append(sched.pool.n_used)
+                tr.live.append(sched.live_tokens)
+            self._handle(rep, events, t0, t1)
+
+    def _handle(self, rep: _Replica, events, t0: float, t1: float) -> None:
+        for ev in events:
+            rec = self.records[ev.rid]
+            k = ev.kind
+            if k == "first_token":
+                rec.first_token_s = t1
+            elif k == "finished":
+                rec.finish_s = t1
+                rec.status = "finished"
+                self._finished(rep, ev.rid, t1)
+            elif k == "admitted":
+                if rec.admitted_s is None:
+                    rec.admitted_s = t0
+            elif k == "preempted":
+                rec.preemptions += 1
+
+    def _finished(self, rep: _Replica, idx: int, t1: float) -> None:
+        t = self.turns[idx]
+        rep.outstanding -= self.records[idx].prefill_tokens + t.output_tokens
+        sid = t.session_id
+        self.context[sid] = self.context.get(sid, 0) + t.new_tokens + t.output_tokens
+        if self.progress:
+            self.progress(1)
+        turns = self.session_turns[sid]
+        pos = turns.index(idx)
+        if pos + 1 == len(turns):
+            rep.sched.end_session(sid)
+            self.holder.pop(sid, None)
+            return
+        nxt = turns[pos + 1]
+        think = self.turns[nxt].think_time_s
+        if think <= 0:
+            self._submit(nxt, t1)
+        else:
+            ev = self.env.timeout(think)
+            ev.callbacks.append(lambda _e, n=nxt, r=t1 + think: self._submit(n, r))
+
+    # ------------------------------------------------------------------ run
+    def run(self, until: float | None = None) -> ClusterResult:
+        self.env.process(self._arrivals())
+        for rep in self.replicas:
+            self.env.process(self._run_replica(rep))
+        self.env.run(until=until)
+        for rec in self.records:  # nothing silently dropped: anything unfinished is listed with why
+            if rec.status not in ("finished", "rejected"):
+                why = "simulation horizon reached" if until is not None else \
+                    "stalled: the scheduler could not make progress (no runnable work and no further arrivals)"
+                rec.status, rec.reason = "rejected", why
+        return ClusterResult(self.records, [r.trace for r in self.replicas], [r.sched for r in self.replicas],
+                             float(self.env.now))

@@ -1,0 +1,426 @@
+"""The simulated executor: prices a :class:`~tangram.plan.StepPlan` and returns its duration.
+
+Everything else (scheduler, paging, planner) is the shared control plane; this
+module only answers "how long does this step take on the GPU and the host".
+Each operator is priced from a calibration table when there is one, otherwise
+from the GPU preset's roofline; :attr:`CostModel.sources` says which, per
+operator. Formulas are documented in docs/simulator.md. All per-step work is
+numpy over the step's rows and heads (no Python loop over requests or heads).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tangram.budgets import BudgetProfile
+from tangram.config import EngineConfig, GPUConfig, ModelConfig
+from tangram.errors import ConfigError
+from tangram.paging import KVLayout
+from tangram.plan import StepPlan, StepResult
+from tangram.planner import aot_split_map, flashdecoding_num_splits, runtime_plan
+
+from .tables import CalibrationTables, calibration_dir_for
+
+HOST_COEFFS_PATH = Path(__file__).resolve().parent / "host_coeffs.json"
+
+GEMM_OPS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Constants of the analytic fallback; each is a stated assumption, not a fit to a paper figure."""
+
+    roofline_bw_eff: float = 0.80  # share of datasheet HBM bandwidth a streaming kernel reaches
+    roofline_gemm_eff: float = 0.70  # share of dense bf16 peak a large GEMM reaches
+    roofline_attn_eff: float = 0.45  # share of peak a FlashAttention-2-class prefill kernel reaches
+    kernel_launch_s: float = 2e-6  # per kernel launch (CUDA graphs amortise most of it)
+    # A lone CTA streams at most (bytes it keeps in flight) / (memory latency), Little's law: one K and
+    # one V tile of 64 tokens x 128 dims in bf16 (32 KiB) per ~1 us loaded HBM round trip.
+    cta_peak_bytes_per_s: float = 32768 / 1.0e-6
+    score_window: int = 64  # SnapKV observation window (queries scoring each new token)
+    aot_batch_buckets: bool = True  # split maps per power-of-two batch bucket (N_CTA / bucket), a lookup
+    decode_refresh: float = 0.01  # re-run the wave model when the same batch's tokens grew by more than this
+
+
+@dataclass(frozen=True)
+class HostCoeffs:
+    """Seconds per unit of host control-plane work, measured on this CPU by ``python -m tangram.sim.calibrate_host``."""
+
+    step_s: float = 2.0e-5
+    decode_row_s: float = 1.0e-6
+    prefill_row_s: float = 2.0e-5
+    decode_row_table_s: float = 0.0  # per decode row and per page table (grows as H_p shrinks)
+    prefill_row_table_s: float = 0.0
+    row_touched_s: float = 2.0e-7
+    page_s: float = 5.0e-8
+    admit_s: float = 3.0e-5
+    evict_s: float = 1.0e-5
+    preempt_s: float = 3.0e-5
+    reclaim_page_s: float = 1.0e-7
+    compress_row_s: float = 2.0e-5
+    runtime_plan_item_s: float = 2.0e-9
+    source: str = "default (not measured)"
+
+    @classmethod
+    def load(cls, path: str | Path = HOST_COEFFS_PATH) -> "HostCoeffs":
+        p = Path(path)
+        if not p.exists():
+            return cls()
+        d = json.loads(p.read_text())
+        names = {f for f in cls.__dataclass_fields__}
+        vals = {k: v for k, v in d.get("coefficients", {}).items() if k in names}
+        return cls(**vals, source=f"measured: {d.get('command', p.name)} ({d.get('cpu', 'this CPU')})")
+
+
+_CTA_FIT_CACHE: dict = {}
+
+
+def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
+    """A lone CTA's streaming rate, fitted to the measured static-split rows on skewed lengths.
+
+    Each row is re-priced by this model's own static partition on the lengths the kernels bench
+    used (``ceil(B * context)`` of ``synthetic_profile(L, H, rho, seed)``), for a geometric grid
+    of rates; the rate with the least squared log error wins. Cached per process.
+    """
+    from tangram.budgets import synthetic_profile
+
+    t = cm.tables
+    rows = t._model_rows(t.decode, cm.model)
+    if rows is None or "profile_seed" not in rows.columns or "rho" not in rows.columns:
+        return None
+    rows = rows[(rows["kernel"] == "static_split") & (rows["rho"] < 1)]
+    rows = rows[rows["profile_seed"].notna() & (rows["profile_seed"].astype(str) != "")]
+    if len(rows) == 0:
+        return None
+    key = (str(t.directory), cm.model.name, cm.gpu.name, cm.n_cta, round(cm.dec_bw), round(cm.dec_launch * 1e9))
+    if key in _CTA_FIT_CACHE:
+        return _CTA_FIT_CACHE[key]
+    rows = rows.sort_values(["batch", "context", "rho"]).iloc[:: max(1, len(rows) // 24)]
+    m = cm.model
+    eng = cm.engine.with_(mode="full", decode_partition="static")
+    probe = CostModel.__new__(CostModel)
+    probe.__dict__.update(cm.__dict__)
+    probe.partition, probe._static_splits = "static", {}
+    cases = []
+    for _, r in rows.iterrows():
+        B = synthetic_profile(m.num_layers, m.num_kv_heads, float(r["rho"]), seed=int(float(r["profile_seed"]))).B
+        lens = np.minimum(int(r["context"]), np.ceil(B * int(r["context"]) - 1e-9)).astype(np.int64)
+        cases.append((np.repeat(lens[None], int(r["batch"]), axis=0), float(r["median_ms"]) * 1e-3))
+    grid = np.geomspace(cm.dec_bw / cm.n_cta, cm.dec_bw, 24)
+    best, best_err = None, np.inf
+    for g in grid:
+        probe.cta_bw = g
+        err = sum(np.log(probe._decode_attention(lens)[0] / m.num_layers / meas) ** 2 for lens, meas in cases)
+        if err < best_err:
+            best, best_err = float(g), err
+    del eng
+    _CTA_FIT_CACHE[key] = (best, len(cases))
+    return _CTA_FIT_CACHE[key]
+
+
+def _pow2_bucket(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+class CostModel:
+    """``execute(plan) -> StepResult`` for one engine replica; deterministic given ``seed``."""
+
+    def __init__(self, model: ModelConfig, gpu: GPUConfig, engine: EngineConfig, layout: KVLayout,
+                 profile: BudgetProfile | None = None, *, calibration: str | Path | None = "auto",
+                 params: CostParams | None = None, host: HostCoeffs | None = None, seed: int = 0):
+        self.model, self.gpu, self.engine, self.layout = model, gpu, engine, layout
+        self.profile = profile.with_alpha(engine.alpha) if profile is not None else None
+        self.params = params or CostParams()
+        self.host = host or HostCoeffs.load()
+        cal_dir = calibration_dir_for(gpu.name) if calibration == "auto" else calibration
+        self.tables = CalibrationTables.load(cal_dir)
+        self.rng = np.random.default_rng(seed)
+        self.partition = engine.partition
+        if engine.retention == "global" and self.profile is None:
+            raise ConfigError("dynamic mode needs a budget profile to draw realised retention")
+        L, H = model.num_layers, model.num_kv_heads
+        self.gq = model.gqa_group
+        self.tok_head_bytes = 2 * model.head_dim * model.dtype_bytes
+        self.sources: dict[str, str] = {}
+
+        # -- decode attention: launch + bytes / BW per call, from the table fit or the roofline
+        self.n_cta, n_cta_src = self.tables.n_cta(gpu.num_sms)
+        self.n_cta = max(1, int(round(self.n_cta * engine.n_cta_scale)))
+        fit = self.tables.decode_fit(model)
+        if fit is not None:
+            self.dec_launch, self.dec_bw, src = fit
+        else:
+            copy = self.tables.copy_bandwidth()
+            self.dec_launch = self.params.kernel_launch_s
+            if copy is not None:
+                self.dec_bw, src = copy, "roofline: measured copy bandwidth (meta.json)"
+            else:
+                self.dec_bw = gpu.mem_bandwidth * self.params.roofline_bw_eff
+                src = f"roofline: {self.params.roofline_bw_eff:g} x datasheet HBM bandwidth"
+        self.cta_bw = max(self.params.cta_peak_bytes_per_s, self.dec_bw / self.n_cta)
+        cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s assumed"
+        if fit is not None:
+            cfit = _fit_cta_rate(self)
+            if cfit is not None:
+                self.cta_bw, nrows = cfit
+                cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s fitted on {nrows} static_split rows"
+        self.sources["decode_attention"] = (f"{src}; {cta_src}; N_CTA={self.n_cta} ({n_cta_src}); "
+                                            f"partition={self.partition}")
+        self._split_maps: dict[int, np.ndarray] = {}
+        self._dec_cache = None
+        self._static_splits: dict[tuple[int, int], int] = {}
+        if self.partition == "aot":
+            if self.profile is not None:
+                self._B_slots = layout.to_slots(self.profile.B)
+            else:  # full/uniform with an AOT partition: every head alike
+                self._B_slots = np.ones((L, H))
+
+        # -- GEMMs and element-wise ops per token count, memoised
+        h, d, Hq = model.hidden, model.head_dim, model.num_q_heads
+        self.gemm_shapes = {"qkv": ((Hq + 2 * H) * d, h), "o": (h, Hq * d), "gate_up": (2 * model.intermediate, h),
+                            "down": (h, model.intermediate), "lm_head": (model.vocab, h)}
+        self._gemm_interp = {}
+        for op, (n, k) in self.gemm_shapes.items():
+            f = self.tables.gemm_interp(model, op, n, k)
+            self._gemm_interp[op] = f
+            self.sources[f"gemm_{op}"] = "table:gemm.csv" if f is not None else \
+                f"roofline: max(FLOPs / ({self.params.roofline_gemm_eff:g} x peak), bytes / BW)"
+        self._elem = {}
+        for op in ("rmsnorm", "rope", "silu_mul", "sampling"):
+            f = self.tables.elementwise_interp(model, op)
+            self._elem[op] = f
+            self.sources[f"elementwise_{op}"] = "table:elementwise.csv" if f is not None else "roofline: bytes / BW"
+        self.sources["sampling"] = self.sources.pop("elementwise_sampling")
+        self._dense_cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+        # -- prefill attention + compression scoring/selection/scatter
+        self._prefill = self.tables.prefill_interp(model)
+        pf_src = "table:prefill_attention.csv (per layer, scipy interpolation)" if self._prefill is not None else \
+            f"roofline: max(FLOPs / ({self.params.roofline_attn_eff:g} x peak), bytes / BW)"
+        self.sources["prefill_attention"] = pf_src
+        self.compress = engine.retention != "full"
+        if self.compress:
+            has = self._prefill is not None and "score_ms" in self._prefill.cols
+            self.sources["compression"] = "table:prefill_attention.csv score/select/scatter" if has else \
+                "roofline: window scoring FLOPs + top-k/scatter bytes"
+        self.sources["host_control_plane"] = self.host.source
+        if engine.retention == "global":
+            self.sources["reclaim"] = f"host: pages x reclaim_page_s + rows x compress_row_s ({self.host.source})"
+        if self.partition == "runtime":
+            self.sources["runtime_plan"] = f"host: runtime_plan host_items x runtime_plan_item_s ({self.host.source})"
+
+    # ------------------------------------------------------------------ executor
+    def execute(self, plan: StepPlan) -> StepResult:
+        br: dict[str, float] = {}
+        kd, kp = plan.num_decode, plan.num_prefill
+        logits = kd + int(plan.prefill_last.sum()) if kp else kd
+        tokens = plan.num_tokens
+        if tokens:
+            br["gemm"], br["elementwise"] = self._dense(tokens, logits)
+        if kd:
+            br["decode_attention"], plan_s = self._decode_cached(plan)
+            if plan_s:
+                br["runtime_plan"] = plan_s
+        realized = None
+        if kp:
+            br["prefill_attention"], comp = self._prefill_attention(plan)
+            if self.compress:
+                br["compression"] = comp
+            if plan.retention == "global":
+                realized, br["reclaim"] = self._dynamic(plan)
+        br["host"] = self._host(plan.counters)
+        return StepResult(plan.step, float(sum(br.values())), br, realized)
+
+    # ------------------------------------------------------------------ dense layers
+    def _dense(self, tokens: int, logit_rows: int) -> tuple[float, float]:
+        key = (tokens, logit_rows)
+        hit = self._dense_cache.get(key)
+        if hit is not None:
+            return hit
+        m, p = self.model, self.params
+        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+        g = 0.0
+        for op in GEMM_OPS + ("lm_head",):
+            rows = tokens if op != "lm_head" else logit_rows
+            if rows == 0:
+                continue
+            reps = m.num_layers if op != "lm_head" else 1
+            f = self._gemm_interp[op]
+            if f is not None:
+                t = float(f(rows))
+            else:
+                n, k = self.gemm_shapes[op]
+                t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
+            g += reps * t
+        e = 0.0
+        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim,
+                   "silu_mul": 3 * m.intermediate}
+        for op, elems in per_tok.items():
+            reps = m.num_layers * (2 if op == "rmsnorm" else 1)
+            f = self._elem[op]
+            t = float(f(tokens)) if f is not None else tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
+            e += reps * t
+        if logit_rows:  # sampling over the vocabulary, once per step
+            f = self._elem["sampling"]
+            e += float(f(logit_rows)) if f is not None else logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
+        self._dense_cache[key] = (g, e)
+        return g, e
+
+    # ------------------------------------------------------------------ decode attention
+    def split_map(self, batch: int) -> np.ndarray:
+        """AOT split map S[L, G] for a batch (one map per power-of-two bucket: a table lookup at run time)."""
+        b = _pow2_bucket(batch) if self.params.aot_batch_buckets else 1
+        S = self._split_maps.get(b)
+        if S is None:
+            lay = self.layout
+            hp = lay.heads_per_group if lay.ragged else lay.num_kv_heads
+            n_cta = max(lay.num_kv_heads // hp, self.n_cta // b)
+            # B is already in slot order, so the identity permutation groups consecutive slots.
+            ident = np.tile(np.arange(lay.num_kv_heads), (lay.num_layers, 1))
+            S = aot_split_map(self._B_slots, ident, hp, n_cta, self.engine.split_rounding)
+            self._split_maps[b] = S
+        return S
+
+    def _static_split(self, batch_heads: int, n_blocks: int) -> int:
+        key = (batch_heads, n_blocks)
+        s = self._static_splits.get(key)
+        if s is None:
+            s = flashdecoding_num_splits(batch_heads, self.gpu.num_sms, n_blocks)
+            self._static_splits[key] = s
+        return s
+
+    def _decode_cached(self, plan: StepPlan) -> tuple[float, float]:
+        """Decode attention of the same batch as the last priced step, grown by < ``decode_refresh``
+        in retained tokens, is rescaled from it (the wave structure is unchanged; bytes grow linearly)."""
+        lens = plan.decode_head_lens
+        total = int(lens.sum())
+        c = self._dec_cache
+        if (c is not None and self.partition != "runtime" and c[0].size == plan.decode_ids.size
+                and total <= c[1] * (1.0 + self.params.decode_refresh) and np.array_equal(c[0], plan.decode_ids)):
+            fixed = c[3]
+            return fixed + (c[2] - fixed) * total / max(c[1], 1), 0.0
+        t, plan_s = self._decode_attention(lens)
+        L = lens.shape[1]
+        self._dec_cache = (plan.decode_ids.copy(), total, t, L * self.dec_launch)
+        return t, plan_s
+
+    def _decode_attention(self, lens: np.ndarray) -> tuple[float, float]:
+        """Per layer: CTAs in launch order, dispatched in waves of N_CTA; a wave lasts as long as
+        its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
+        kd, L, H = lens.shape
+        plan_s = 0.0
+        if self.partition == "aot":
+            hp = self.layout.heads_per_group if self.layout.ragged else H
+            G = H // hp
+            S = self.split_map(kd)  # [L, G]
+            work = lens.reshape(kd, L, G, hp).sum(axis=3).transpose(1, 0, 2)  # [L, kd, G] tokens
+            reps = np.broadcast_to(S[:, None, :], work.shape)
+            size = work / reps
+        elif self.partition == "static":
+            d = self.model.head_dim
+            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
+            n_blocks = -(-int(lens.max(initial=1)) // block_n)
+            s = self._static_split(kd * H, max(1, n_blocks))
+            size = lens.transpose(1, 0, 2) / s  # [L, kd, H]
+            reps = np.full(size.shape, s, dtype=np.int64)
+        else:  # runtime: FlashInfer-style per-layer plan recomputed every step on the host
+            rp = runtime_plan(lens, self.n_cta)
+            reps = np.stack(rp.splits).astype(np.int64)  # [L, kd, H]
+            size = lens.transpose(1, 0, 2) / reps
+            plan_s = rp.host_items * self.host.runtime_plan_item_s
+        t = self._waves(size.reshape(L, -1), np.asarray(reps).reshape(L, -1))
+        n_partials = int(np.asarray(reps).sum())
+        combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
+        launches = L * self.dec_launch  # the fitted intercept of a call includes its merge kernel
+        return t + combine + launches, plan_s
+
+    def _waves(self, size_tokens: np.ndarray, reps: np.ndarray) -> float:
+        """Per layer: the CTAs before the last wave stream at full bandwidth (dynamic dispatch hides their
+        imbalance); the last wave is a straggler tail, priced as bandwidth shared by the CTAs still running,
+        each capped at one CTA's streaming rate (processor sharing over the tail's sorted sizes)."""
+        L = size_tokens.shape[0]
+        reps = reps.astype(np.int64)
+        per_layer = reps.sum(axis=1)  # CTAs per layer
+        flat = np.repeat(size_tokens.ravel() * self.tok_head_bytes, reps.ravel())
+        n = flat.size
+        if n == 0:
+            return 0.0
+        N = self.n_cta
+        layer_end = np.cumsum(per_layer)
+        layer_of = np.repeat(np.arange(L), per_layer)
+        from_end = layer_end[layer_of] - np.arange(n) - 1  # 0 = last CTA launched in the layer
+        tail_n = per_layer - N * np.maximum(0, -(-per_layer // N) - 1)
+        in_tail = from_end < tail_n[layer_of]
+        body = float(flat[~in_tail].sum()) / self.dec_bw
+        tail = np.zeros((L, N))
+        tail[layer_of[in_tail], from_end[in_tail]] = flat[in_tail]
+        tail.sort(axis=1)  # ascending; padding zeros first
+        diffs = np.diff(tail, axis=1, prepend=0.0)
+        active = N - np.arange(N)  # CTAs still running while the j-th smallest finishes
+        per_byte = np.maximum(active / self.dec_bw, 1.0 / self.cta_bw)
+        return body + float((diffs * per_byte[None, :]).sum())
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_attention(self, plan: StepPlan) -> tuple[float, float]:
+        m, p = self.model, self.params
+        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        c = plan.prefill_tokens.astype(np.float64)
+        cached = plan.prefill_head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
+        comp = 0.0
+        if self._prefill is not None:
+            v = self._prefill(c, cached / L)
+            att = float(v["attention_ms"].sum()) * L
+            if self.compress and "score_ms" in v:
+                sel = "select_dynamic_ms" if plan.retention == "global" and "select_dynamic_ms" in v else "select_ms"
+                comp = float(sum(v[k].sum() for k in ("score_ms", sel, "scatter_ms") if k in v)) * L
+        else:
+            peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+            flops = 4.0 * d * self.gq * c * (cached + L * H * c / 2)
+            byts = cached * self.tok_head_bytes + 4.0 * L * H * c * self.tok_head_bytes  # cached KV + q/k/v/o
+            att = float(np.maximum(flops / peak, byts / bw).sum()) + L * c.size * p.kernel_launch_s
+        if self.compress and comp == 0.0:
+            peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+            w = np.minimum(p.score_window, c)
+            score_flops = 4.0 * d * self.gq * w * c * L * H  # window queries x new keys, QK^T and pooling/sum
+            kept = plan.prefill_keep.reshape(c.size, -1).sum(axis=1)
+            sel_bytes = 2.0 * 4 * L * H * c  # fp32 scores written and read by top-k
+            scatter_bytes = 2.0 * kept * self.tok_head_bytes  # kept K/V read from the chunk and written to pages
+            comp = float((np.maximum(score_flops / peak, sel_bytes / bw) + scatter_bytes / bw).sum()) \
+                + 3 * L * c.size * p.kernel_launch_s
+        return att, comp
+
+    def _dynamic(self, plan: StepPlan) -> tuple[np.ndarray, float]:
+        """Global top-k realises its own per-head counts; pages beyond them are reclaimed on the host."""
+        kp = plan.num_prefill
+        r = self.layout.to_slots(self.profile.sample_retention(self.rng, kp))  # [kp, L, H]
+        c = plan.prefill_tokens.astype(np.float64)[:, None, None]
+        realized = np.minimum(plan.prefill_keep, np.ceil(r * c - 1e-9).astype(np.int64))
+        after = self.layout.pages_for(self.layout.table_lens(plan.prefill_head_lens + realized)).sum(axis=1)
+        reclaimed = np.maximum(0, plan.prefill_pages.sum(axis=1) - after)
+        cost = float(reclaimed.sum()) * self.host.reclaim_page_s + kp * self.host.compress_row_s
+        return realized, cost
+
+    # ------------------------------------------------------------------ host
+    def _host(self, c: dict) -> float:
+        h = self.host
+        T = c.get("tables", 1)
+        return (h.step_s + (h.decode_row_s + h.decode_row_table_s * T) * c.get("decode_rows", 0)
+                + (h.prefill_row_s + h.prefill_row_table_s * T) * c.get("prefill_rows", 0)
+                + h.row_touched_s * c.get("rows_touched", 0)
+                + h.page_s * (c.get("pages_allocated", 0) + c.get("pages_freed", 0))
+                + h.admit_s * c.get("admitted", 0) + h.evict_s * c.get("evicted", 0)
+                + h.preempt_s * c.get("preempted", 0))
+
+    def describe(self) -> dict:
+        m = self.tables.meta
+        cal = None if self.tables.directory is None else {
+            "dir": str(self.tables.directory.relative_to(self.tables.directory.parents[2]))
+            if len(self.tables.directory.parents) > 2 else str(self.tables.directory),
+            "date": m.get("date"), "command": m.get("command"), "gpu": m.get("gpu_name")}
+        return {"sources": dict(sorted(self.sources.items())), "n_cta": self.n_cta, "calibration": cal,
+                "decode_bandwidth_bytes_per_s": self.dec_bw, "params": asdict(self.params),
+                "host": asdict(self.host)}

@@ -1,0 +1,244 @@
+"""Calibration tables measured on a GPU (written by ``python -m tangram.kernels.bench``) and their interpolants.
+
+Each operator is priced from its table when one exists for the GPU and the
+model's shapes, otherwise from the analytic roofline of the GPU preset; the
+label of the source travels into every report (``cost_model_source``).
+Interpolation is in log-log space (times of GPU kernels are close to power
+laws in their size) with scipy, extrapolating by the nearest measured point's
+throughput so a shape outside the sweep never prices at zero.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tangram.errors import InputError
+
+CALIBRATION_ROOT = Path(__file__).resolve().parent / "calibration"
+TABLE_FILES = ("decode_attention.csv", "prefill_attention.csv", "gemm.csv", "elementwise.csv")
+
+
+def calibration_dir_for(gpu_name: str) -> Path:
+    """``h100-80gb`` -> ``sim/calibration/h100``: tables are per GPU family, not per memory size."""
+    return CALIBRATION_ROOT / gpu_name.lower().split("-")[0]
+
+
+def _read_csv(path: Path, required: tuple[str, ...]):
+    import pandas as pd
+
+    try:
+        df = pd.read_csv(path)
+    except Exception as e:  # pandas raises many parser error types
+        raise InputError(str(path), None, None, f"not a readable calibration CSV ({type(e).__name__}: {e})") from None
+    missing = [c for c in required if c not in df.columns]
+    if missing:
+        raise InputError(str(path), None, missing[0], "missing column in calibration table")
+    for c in required:
+        if df[c].dtype == object and c not in ("op", "kernel", "model", "gpu", "dtype"):
+            bad = df[c][pd.to_numeric(df[c], errors="coerce").isna()]
+            if len(bad):
+                raise InputError(str(path), int(bad.index[0]) + 2, c, f"not a number: {bad.iloc[0]!r}")
+    return df
+
+
+class LogInterp1D:
+    """Piecewise-linear interpolation of log(time) over log(size); flat throughput beyond the ends."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray):
+        from scipy.interpolate import interp1d
+
+        x, y = np.asarray(x, float), np.asarray(y, float)
+        keep = (x > 0) & (y > 0)
+        x, y = x[keep], y[keep]
+        order = np.argsort(x)
+        x, y = x[order], y[order]
+        ux, inv = np.unique(x, return_inverse=True)  # average repeated sizes (medians of repeated runs)
+        uy = np.exp(np.bincount(inv, np.log(y)) / np.bincount(inv))
+        self.x0, self.x1, self.y0, self.y1 = ux[0], ux[-1], uy[0], uy[-1]
+        self.n = ux.size
+        self._f = interp1d(np.log(ux), np.log(uy), assume_sorted=True) if ux.size > 1 else None
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x, float)
+        if self._f is None:
+            return self.y0 * x / self.x0
+        xc = np.clip(x, self.x0, self.x1)
+        y = np.exp(self._f(np.log(np.maximum(xc, 1e-30))))
+        # beyond the sweep: same time per unit of size as the nearest end (small sizes: latency floor)
+        return np.where(x > self.x1, self.y1 * x / self.x1, y)
+
+
+@dataclass
+class CalibrationTables:
+    """What was found for one GPU: parsed tables plus meta.json; empty when nothing was measured."""
+
+    directory: Path | None
+    meta: dict = field(default_factory=dict)
+    decode: object = None  # pandas frames or None
+    prefill: object = None
+    gemm: object = None
+    elementwise: object = None
+
+    @classmethod
+    def load(cls, directory: str | Path | None) -> "CalibrationTables":
+        if directory is None:
+            return cls(None)
+        d = Path(directory)
+        if not d.is_dir():
+            return cls(None)
+        meta = {}
+        mp = d / "meta.json"
+        if mp.exists():
+            try:
+                meta = json.loads(mp.read_text())
+            except json.JSONDecodeError as e:
+                raise InputError(str(mp), e.lineno, None, f"invalid JSON: {e.msg}") from None
+        t = cls(d, meta)
+        if (d / "decode_attention.csv").exists():
+            t.decode = _read_csv(d / "decode_attention.csv", ("kernel", "bytes", "median_ms"))
+        if (d / "prefill_attention.csv").exists():
+            t.prefill = _read_csv(d / "prefill_attention.csv", ("chunk", "cached", "attention_ms"))
+        if (d / "gemm.csv").exists():
+            t.gemm = _read_csv(d / "gemm.csv", ("op", "tokens", "n", "k", "median_ms"))
+        if (d / "elementwise.csv").exists():
+            t.elementwise = _read_csv(d / "elementwise.csv", ("op", "tokens", "median_ms"))
+        return t
+
+    # ------------------------------------------------------------------ meta
+    def n_cta(self, num_sms: int) -> tuple[int, str]:
+        """Decode CTAs resident at once: meta.json's occupancy when measured, else 2 per SM."""
+        m = self.meta
+        for key in ("n_cta", "decode_n_cta"):
+            if isinstance(m.get(key), (int, float)) and m[key] >= 1:
+                return int(m[key]), f"meta.json:{key}"
+        dk = m.get("decode_kernel")
+        if isinstance(dk, dict) and isinstance(dk.get("n_cta"), (int, float)) and dk["n_cta"] >= 1:
+            return int(dk["n_cta"]), "meta.json:decode_kernel.n_cta (measured occupancy)"
+        for key in ("ctas_per_sm", "decode_ctas_per_sm"):
+            if isinstance(m.get(key), (int, float)) and m[key] >= 1:
+                return int(m[key] * num_sms), f"meta.json:{key}"
+        return 2 * num_sms, "default: 2 CTAs per SM"
+
+    def copy_bandwidth(self) -> float | None:
+        for key in ("copy_gbps", "measured_copy_gbps", "copy_bandwidth_gbps"):
+            v = self.meta.get(key)
+            if isinstance(v, (int, float)) and v > 0:
+                return float(v) * 1e9
+        return None
+
+    # ------------------------------------------------------------------ per-operator fits
+    @staticmethod
+    def _model_rows(df, model):
+        """Rows measured for this model's shapes (by name, else by head counts), else None."""
+        if df is None or len(df) == 0:
+            return None
+        if "model" in df.columns:
+            m = df[df["model"].astype(str).str.lower() == model.name]
+            if len(m):
+                return m
+        if {"num_q_heads", "num_kv_heads", "head_dim"} <= set(df.columns):
+            m = df[(df["num_q_heads"] == model.num_q_heads) & (df["num_kv_heads"] == model.num_kv_heads)
+                   & (df["head_dim"] == model.head_dim)]
+            if len(m):
+                return m
+        return None
+
+    def decode_fit(self, model) -> tuple[float, float, str] | None:
+        """(launch_s, bytes_per_s) of a balanced decode call: least squares of time = a + bytes / BW.
+
+        Fitted on the balanced kernels (tangram_aot on uniform or any lengths,
+        flashinfer) so the straggler structure is left to the wave model.
+        """
+        rows = self._model_rows(self.decode, model)
+        if rows is None:
+            return None
+        rows = rows[rows["kernel"].isin(["tangram_aot", "flashinfer"])]
+        if len(rows) < 2:
+            return None
+        x = rows["bytes"].to_numpy(float)
+        y = rows["median_ms"].to_numpy(float) * 1e-3
+        A = np.stack([np.ones_like(x), x], axis=1)
+        # relative least squares: small calls (microseconds) weigh as much as large ones (milliseconds)
+        (a, inv_bw), *_ = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)
+        if inv_bw <= 0:
+            return None
+        return max(0.0, float(a)), 1.0 / float(inv_bw), \
+            f"table:decode_attention.csv ({len(rows)} rows, relative LSQ fit a+bytes/BW)"
+
+    def gemm_interp(self, model, op: str, n: int, k: int) -> LogInterp1D | None:
+        df = self.gemm
+        if df is None:
+            return None
+        rows = df[(df["op"] == op) & (df["n"] == n) & (df["k"] == k)]
+        if "model" in df.columns and (rows["model"].astype(str).str.lower() == model.name).any():
+            rows = rows[rows["model"].astype(str).str.lower() == model.name]
+        if len(rows) == 0:
+            return None
+        return LogInterp1D(rows["tokens"].to_numpy(), rows["median_ms"].to_numpy() * 1e-3)
+
+    def elementwise_interp(self, model, op: str) -> LogInterp1D | None:
+        df = self.elementwise
+        if df is None:
+            return None
+        rows = df[df["op"] == op]
+        if "model" in df.columns and (rows["model"].astype(str).str.lower() == model.name).any():
+            rows = rows[rows["model"].astype(str).str.lower() == model.name]
+        if "hidden" in df.columns and (rows["hidden"] == model.hidden).any() and op != "silu_mul":
+            rows = rows[rows["hidden"] == model.hidden]
+        if len(rows) == 0:
+            return None
+        return LogInterp1D(rows["tokens"].to_numpy(), rows["median_ms"].to_numpy() * 1e-3)
+
+    def prefill_interp(self, model):
+        """2-D interpolant of per-layer chunk attention time over (chunk, retained cached tokens of the layer)."""
+        rows = self._model_rows(self.prefill, model)
+        if rows is None or len(rows) < 1:
+            return None
+        return PrefillInterp(rows, model.num_kv_heads)
+
+
+class PrefillInterp:
+    """Per-layer prefill times over (chunk c, cached tokens x summed over the layer's KV heads).
+
+    Linear in log space inside the measured hull (scipy ``LinearNDInterpolator``); outside it the
+    nearest measured point scaled by attention work ``c (x + H c / 2)``. ``cached_tokens`` (retained,
+    summed over heads) is used when the table has it, else ``cached x H``.
+    """
+
+    def __init__(self, rows, num_kv_heads: int):
+        from scipy.interpolate import LinearNDInterpolator, NearestNDInterpolator
+
+        self.H = num_kv_heads
+        self.cols = [c for c in ("attention_ms", "score_ms", "select_ms", "select_dynamic_ms", "scatter_ms")
+                     if c in rows.columns]
+        c = rows["chunk"].to_numpy(float)
+        n = rows["cached_tokens"].to_numpy(float) if "cached_tokens" in rows.columns else \
+            rows["cached"].to_numpy(float) * num_kv_heads
+        self.pts = np.stack([np.log(c), np.log1p(n)], axis=1)
+        self.work = c * (n + num_kv_heads * c / 2)
+        self.vals = {k: np.maximum(rows[k].to_numpy(float), 1e-6) * 1e-3 for k in self.cols}
+        self._near = NearestNDInterpolator(self.pts, np.arange(len(rows)))
+        self._lin = {}
+        if len(rows) >= 3 and np.linalg.matrix_rank(self.pts - self.pts.mean(0)) == 2:
+            for k in self.cols:
+                self._lin[k] = LinearNDInterpolator(self.pts, np.log(self.vals[k]))
+
+    def __call__(self, chunk: np.ndarray, cached: np.ndarray) -> dict[str, np.ndarray]:
+        """Seconds per layer call for chunks of ``chunk`` tokens over ``cached`` retained tokens of the layer."""
+        chunk, cached = np.asarray(chunk, float), np.asarray(cached, float)
+        q = np.stack([np.log(np.maximum(chunk, 1)), np.log1p(cached)], axis=1)
+        idx = self._near(q).astype(int)
+        scale = chunk * (cached + self.H * chunk / 2) / self.work[idx]
+        out = {}
+        for k in self.cols:
+            # compression kernels scale with the chunk only; attention with the attention work
+            s = scale if k == "attention_ms" else chunk / np.exp(self.pts[idx, 0])
+            v = self.vals[k][idx] * np.maximum(s, 1.0) if k != "attention_ms" else self.vals[k][idx] * s
+            if k in self._lin:
+                lin = self._lin[k](q)
+                v = np.where(np.isfinite(lin), np.exp(np.where(np.isfinite(lin), lin, 0.0)), v)
+            out[k] = v
+        return out

@@ -1,0 +1,1 @@
+"""Real-model calibration: offline corpus, scoring methods, retention samples -> BudgetProfile, fidelity report."""

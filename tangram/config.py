@@ -1,0 +1,247 @@
+"""Configuration dataclasses and presets for models, GPUs and the serving engine.
+
+Model shapes are the published architecture figures; GPU figures are datasheet
+values (marked ``source="datasheet"``) and are only a fallback: the simulator
+prefers calibration tables measured on the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tangram.errors import ConfigError
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # llama3-style: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rms_eps: float = 1e-5
+    qk_norm: bool = False  # Qwen3
+    qkv_bias: bool = False  # Qwen2.5
+    tie_embeddings: bool = False
+    max_context: int = 131072
+
+    def __post_init__(self) -> None:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ConfigError(f"model {self.name}: num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self) -> int:
+        """Full (uncompressed) KV bytes one token occupies over all layers and KV heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def param_count(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.num_q_heads * d + 2 * h * self.num_kv_heads * d + self.num_q_heads * d * h
+        mlp = 3 * h * self.intermediate
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    def weight_bytes(self) -> int:
+        return self.param_count() * self.dtype_bytes
+
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+MODELS: dict[str, ModelConfig] = {
+    m.name: m
+    for m in [
+        ModelConfig("llama-3.1-8b", 32, 32, 8, 128, 4096, 14336, 128256, rope_theta=500000.0,
+                    rope_scaling=_LLAMA3_SCALING, max_context=131072),
+        ModelConfig("llama-3.1-70b", 80, 64, 8, 128, 8192, 28672, 128256, rope_theta=500000.0,
+                    rope_scaling=_LLAMA3_SCALING, max_context=131072),
+        ModelConfig("qwen3-4b", 36, 32, 8, 128, 2560, 9728, 151936, rope_theta=1000000.0, rms_eps=1e-6,
+                    qk_norm=True, tie_embeddings=True, max_context=131072),
+        ModelConfig("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 152064, rope_theta=1000000.0, rms_eps=1e-6,
+                    qkv_bias=True, max_context=131072),
+        ModelConfig("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, rope_theta=100000.0,
+                    tie_embeddings=True, max_context=8192),
+    ]
+}
+
+# --------------------------------------------------------------------------- GPUs
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    name: str
+    memory_bytes: int
+    mem_bandwidth: float  # bytes/s
+    num_sms: int
+    bf16_flops: float  # dense tensor-core FLOP/s
+    l2_bytes: int
+    source: str = "datasheet"
+
+
+GIB = 1024**3
+GPUS: dict[str, GPUConfig] = {
+    g.name: g
+    for g in [
+        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2.
+        GPUConfig("h100-80gb", 80 * 10**9, 3.35e12, 132, 989e12, 50 * 2**20),
+        # NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 60 MB L2.
+        GPUConfig("h200", 141 * 10**9, 4.8e12, 132, 989e12, 60 * 2**20),
+        # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2.
+        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20),
+    ]
+}
+
+# --------------------------------------------------------------------------- engine
+
+MODES = ("full", "uniform", "dynamic", "br", "br+rp", "tangram")
+MODE_ALIASES = {"br+rp+aot": "tangram", "vllm": "full", "br_rp": "br+rp"}
+# The cumulative ablation of the paper's Figure 10, in order: the vLLM full-KV baseline, then Budget
+# Reservation, then Ragged Paging, then AOT load balancing (= tangram). ``dynamic`` (the non-uniform method run
+# as published: over-allocate, compress, reclaim) is the comparison of Figure 11, not a step of this chain.
+ABLATION_MODES = ("full", "br", "br+rp", "tangram")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine replica serves: memory layout, retention policy, batching.
+
+    ``mode`` picks a row of the design brief's mode table; the switches it
+    implies are resolved by :meth:`resolved` so ablations can also be built
+    by hand (e.g. tangram without clustering).
+    """
+
+    mode: str = "tangram"
+    page_size: int = 16
+    heads_per_group: int = 4
+    alpha: float = 2.0
+    rho: float = 0.25
+    chunk_size: int = 2048
+    max_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.90
+    activation_reserve_bytes: int = 2 * GIB
+    kv_pool_bytes: int | None = None  # overrides the derivation from GPU memory
+    # switches (None = implied by mode)
+    budget_reservation: bool | None = None
+    ragged_paging: bool | None = None
+    aot_balancing: bool | None = None
+    clustering: bool = True
+    decode_partition: str | None = None  # "static" | "runtime" | "aot"
+    split_rounding: str = "round"  # Algorithm 1 rounding: "round" (paper) or "ceil"
+    n_cta_scale: float = 1.0  # multiplies the occupancy-derived N_CTA
+    session_cache: bool = True  # keep a session's compressed KV resident between turns
+
+    def __post_init__(self) -> None:
+        mode = MODE_ALIASES.get(self.mode, self.mode)
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        object.__setattr__(self, "mode", mode)
+        if self.page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+        if self.heads_per_group <= 0:
+            raise ConfigError(f"heads_per_group must be positive, got {self.heads_per_group}")
+        if not (0.0 < self.rho <= 1.0):
+            raise ConfigError(f"rho must be in (0, 1], got {self.rho}")
+        if self.alpha < 0:
+            raise ConfigError(f"alpha must be >= 0, got {self.alpha}")
+        if self.chunk_size <= 0 or self.max_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("chunk_size, max_batched_tokens and max_num_seqs must be positive")
+        if self.split_rounding not in ("round", "ceil"):
+            raise ConfigError(f"split_rounding must be 'round' or 'ceil', got {self.split_rounding!r}")
+        if self.decode_partition not in (None, "static", "runtime", "aot"):
+            raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
+
+    # -- resolved switches
+    @property
+    def retention(self) -> str:
+        """Which tokens each head keeps: full | uniform | global (dynamic top-k) | static (per-head budget)."""
+        return {"full": "full", "uniform": "uniform", "dynamic": "global"}.get(self.mode, "static")
+
+    @property
+    def reserve_exact(self) -> bool:
+        if self.budget_reservation is not None:
+            return self.budget_reservation
+        return self.mode != "dynamic"
+
+    @property
+    def ragged(self) -> bool:
+        if self.ragged_paging is not None:
+            return self.ragged_paging
+        return self.mode in ("br+rp", "tangram")
+
+    @property
+    def partition(self) -> str:
+        if self.decode_partition is not None:
+            return self.decode_partition
+        if self.aot_balancing is not None:
+            return "aot" if self.aot_balancing else "static"
+        return "aot" if self.mode == "tangram" else "static"
+
+    def with_(self, **kw: Any) -> "EngineConfig":
+        return replace(self, **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+
+def kv_pool_bytes(model: ModelConfig, gpu: GPUConfig, engine: EngineConfig) -> int:
+    """Bytes left for the KV cache: a share of device memory minus weights and activations."""
+    if engine.kv_pool_bytes is not None:
+        return int(engine.kv_pool_bytes)
+    free = gpu.memory_bytes * engine.gpu_memory_utilization - model.weight_bytes() - engine.activation_reserve_bytes
+    if free <= 0:
+        raise ConfigError(
+            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights) leaves no KV memory on {gpu.name}")
+    return int(free)
+
+
+def get_model(name: str) -> ModelConfig:
+    key = name.lower()
+    if key not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; presets: {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def get_gpu(name: str) -> GPUConfig:
+    key = name.lower()
+    aliases = {"h100": "h100-80gb", "a100": "a100-80gb", "h200-141gb": "h200"}
+    key = aliases.get(key, key)
+    if key not in GPUS:
+        raise ConfigError(f"unknown GPU {name!r}; presets: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = [
+    "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES",
+    "get_model", "get_gpu", "kv_pool_bytes", "divisors", "ceil_div",
+]

@@ -1,0 +1,319 @@
+"""``tangram-bench``: replay a multi-turn trace through the real engine, one mode after another.
+
+The trace is driven by the same harness as ``tangram-sim`` (:class:`tangram.sim.cluster.Cluster`):
+first turns arrive open-loop at ``arrival_s``, later turns ``think_time_s`` after
+the previous one finished. The clock is SimPy's virtual clock advanced by each
+step's *measured* duration (GPU wall time + the scheduler's host time), so idle
+gaps with nothing to run are skipped instead of slept through; latencies and
+throughput are those of a server that ran the same steps back to back.
+Writes the simulator's ``metrics.json`` / ``requests.csv`` schema plus ``report.md``.
+
+After every mode a leak check asserts that every KV page is back in the pool
+(all sessions ended); a leak exits with code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+
+from tangram.errors import ConfigError, cli_errors
+
+DEFAULT_OUT = "tangram-bench-out"
+TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+              "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "preemptions", "session_evictions", "steps",
+              "leak_ok"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"error: {message} (see tangram-bench --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tangram-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", nargs="?", help="multi-turn JSONL trace (default: the bundled default trace)")
+    p.add_argument("--mode", action="append", help="serving mode(s), repeatable or comma list (default all)")
+    p.add_argument("--model", help="model preset (default llama-3.1-8b)")
+    p.add_argument("--weights", default=None, help="random | PATH.gguf | HF safetensors dir | auto (default auto)")
+    p.add_argument("--profile", help="budget profile (.npz/.json); default: synthetic (labelled)")
+    p.add_argument("--gpu", help="GPU preset for the KV pool derivation (default h100-80gb)")
+    p.add_argument("--config", help="JSON of EngineConfig fields plus model/gpu/... (the tangram-sim --config format)")
+    p.add_argument("--rho", type=float)
+    p.add_argument("--hp", type=int, help="heads per group H_p")
+    p.add_argument("--alpha", type=float)
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--chunk", type=int)
+    p.add_argument("--max-batched-tokens", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-pool-gib", type=float, help="cap the KV pool (GiB); default: derived from GPU memory")
+    p.add_argument("--rate-scale", type=float)
+    p.add_argument("--seed", type=int, help="seed of weights, prompt ids, sampling and the synthetic profile")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
+    p.add_argument("--dynamic-keep", default="auto",
+                   help="dynamic mode's per-head keep: topk (global top-k of the scores), profile (drawn from the "
+                        "budget profile; for random weights, whose scores have no head structure) or auto "
+                        "(profile with random weights, else topk)")
+    p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
+    p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+class _EngineCost:
+    """What ``tangram.sim.run.summarize`` reads from a cost model, for a measured run."""
+
+    def __init__(self, n_cta: int, device: str):
+        self.n_cta = n_cta
+        self._src = {"all": f"measured on {device} (tangram-bench)"}
+
+    def describe(self) -> dict:
+        return {"sources": self._src, "calibration": None}
+
+
+def resolve(args) -> dict:
+    """The tangram-sim option resolution (same --config format), plus the engine-only options."""
+    from tangram.sim.cli import resolve as sim_resolve
+
+    if args.kv_pool_gib is not None:
+        if not args.kv_pool_gib > 0:
+            raise ConfigError(f"--kv-pool-gib must be > 0, got {args.kv_pool_gib}")
+    ns = argparse.Namespace(trace=args.trace, model=args.model, gpu=args.gpu, mode=args.mode, rho=args.rho,
+                            hp=args.hp, alpha=args.alpha, profile=args.profile, page_size=args.page_size,
+                            chunk=args.chunk, max_batched_tokens=args.max_batched_tokens, replicas=None,
+                            router=None, seed=args.seed, out=args.out, rate_scale=args.rate_scale,
+                            config=args.config, calibration=None, slo=None, capacity=False, target_rate=None)
+    r = sim_resolve(ns)
+    spec = r["spec"]
+    kw = {}
+    if args.kv_pool_gib is not None:
+        kw["kv_pool_bytes"] = int(args.kv_pool_gib * 2**30)
+    if args.max_num_seqs is not None:
+        kw["max_num_seqs"] = args.max_num_seqs
+    if kw:
+        spec.engine = spec.engine.with_(**kw)
+    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
+    r["weights"] = args.weights or cfg.get("weights", "auto")
+    r["out"] = Path(args.out or cfg.get("out", DEFAULT_OUT))
+    return r
+
+
+def _device_dtype(device: str, dtype: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device must be auto, cuda or cpu, got {device!r}")
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype == "auto":
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+    elif dtype in table:
+        dt = table[dtype]
+    else:
+        raise ConfigError(f"--dtype must be auto, bf16, fp16 or fp32, got {dtype!r}")
+    return torch.device(device), dt
+
+
+def pool_bytes_for(model_cfg, gpu, engine, device) -> int:
+    """The preset-derived KV pool, never more than what the device has free now (minus the activation reserve)."""
+    import torch
+
+    from tangram.config import kv_pool_bytes
+
+    b = kv_pool_bytes(model_cfg, gpu, engine)
+    if device.type == "cuda" and engine.kv_pool_bytes is None:
+        free, _ = torch.cuda.mem_get_info(device)
+        b = min(b, int(free * engine.gpu_memory_utilization) - engine.activation_reserve_bytes)
+    if b <= 0:
+        raise ConfigError("no memory left for the KV pool")
+    return b
+
+
+def _mini_trace(engine):
+    from tangram.traces.format import Trace, Turn
+
+    c = engine.chunk_size
+    turns = []
+    for s in range(3):
+        sid = f"warm{s}"
+        turns.append(Turn(f"{sid}:0", sid, 0, 0.0, 0.0, int(c + c // 2 + 7 * s), 4))
+        turns.append(Turn(f"{sid}:1", sid, 1, None, 0.0, 33 + s, 4))
+    return Trace(turns)
+
+
+def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
+             tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk") -> tuple[dict, object, dict]:
+    """Serve the trace in one mode; returns (summary, ClusterResult, leak check)."""
+    import torch
+
+    from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
+    from tangram.engine.sampling import SamplingParams
+    from tangram.sim.cluster import Cluster
+    from tangram.sim.run import summarize
+
+    engine = spec.engine.with_(mode=mode)
+    pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
+    opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
+                           dynamic_keep=dynamic_keep)
+    if warmup:
+        ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
+        wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)
+        Cluster(_mini_trace(engine), [(ws, wx)], spec.router, record_kv=False).run()
+        n_occ = wx.n_occ
+        del wx, ws
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        opts = dataclasses.replace(opts, n_occ=n_occ)
+    sched = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
+    exe = Executor(model, sched, TokenSource.from_trace(trace, spec.model.vocab, seed, tokenizer), opts)
+    t = time.perf_counter()
+    res = Cluster(trace, [(sched, exe)], spec.router, progress=progress).run()
+    wall = time.perf_counter() - t
+    leak = leak_check(sched)
+    summ = summarize(res, engine, [_EngineCost(exe.n_occ, str(torch.cuda.get_device_name(device))
+                                               if device.type == "cuda" else "cpu")])
+    summ.update({"wall_s": wall, "kv_pool_bytes": pool_b, "kv_pool_pages": sched.pool.num_pages,
+                 "leak_check": leak, "leak_ok": leak["ok"],
+                 "dynamic_keep": dynamic_keep if engine.retention == "global" else None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30})
+    del exe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return summ, res, leak
+
+
+def leak_check(sched) -> dict:
+    """Every page back in the pool once every session ended; rows of the block table all free."""
+    used = int(sched.pool.n_used)
+    table = int(sched.bt.npages.sum())
+    open_sessions = sorted(sid for sid, s in sched.sessions.items() if s.parked is not None or s.busy)
+    ok = used == 0 and table == 0 and not open_sessions and not sched.running
+    return {"ok": bool(ok), "pages_in_use": used, "pages_in_tables": table, "pages_total": int(sched.pool.num_pages),
+            "open_sessions": open_sessions[:10], "running": len(sched.running)}
+
+
+def run(args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from tangram.engine.sampling import SamplingParams
+    from tangram.engine.weights import load_model
+    from tangram.metrics import records_frame, write_metrics, write_requests_csv
+
+    r = resolve(args)
+    spec, trace, modes = r["spec"], r["trace"], r["modes"]
+    device, dtype = _device_dtype(args.device, args.dtype)
+    seed = spec.seed
+    model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=seed)
+    if model.cfg.num_layers != spec.model.num_layers or model.cfg.num_kv_heads != spec.model.num_kv_heads:
+        raise ConfigError(f"weights {r['weights']} do not have {spec.model.name}'s shape")
+    tokenizer = None
+    if info.get("gguf_path") and any(t.text for t in trace.turns):
+        from tangram.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(info["gguf_path"])
+    sampling = SamplingParams(args.temperature, args.top_p, seed)
+    dyn = args.dynamic_keep
+    if dyn == "auto":
+        dyn = "profile" if info.get("source") == "random" else "topk"
+    if dyn not in ("topk", "profile"):
+        raise ConfigError(f"--dynamic-keep must be auto, topk or profile, got {args.dynamic_keep!r}")
+    total = len(trace.turns) * len(modes)
+    bar = tqdm(total=total, desc="tangram-bench", unit="req", file=sys.stderr, leave=False, disable=None)
+    metrics, frames, leaks = {}, [], {}
+    for mode in modes:
+        bar.set_postfix_str(mode)
+        summ, res, leak = run_mode(trace, spec, mode, model, device=device, seed=seed, sampling=sampling,
+                                   time_ops=args.time_ops, tokenizer=tokenizer, progress=bar.update,
+                                   warmup=not args.no_warmup, dynamic_keep=dyn)
+        metrics[mode] = summ
+        frames.append(records_frame(res.records, mode=mode))
+        leaks[mode] = leak
+    bar.close()
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    common = {"trace": str(r["trace_path"]), "model": spec.model.name, "weights": info.get("source"),
+              "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
+              "seed": seed, "profile": r["profile_label"], "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
+              "dynamic_keep": dyn}
+    for m in metrics.values():
+        m["run"] = common
+    out = r["out"]
+    out.mkdir(parents=True, exist_ok=True)
+    write_metrics(out / "metrics.json", metrics)
+    write_requests_csv(out / "requests.csv", frames)
+    write_report(out, metrics, common, argv=getattr(args, "_argv", None), plots=not args.no_plots)
+    _print_table(metrics)
+    for mode, lk in leaks.items():
+        print(f"leak check {mode}: {'ok' if lk['ok'] else 'LEAK'} ({lk['pages_in_use']} of {lk['pages_total']} "
+              f"pages in use after the run)")
+    print(f"wrote {out}/metrics.json, requests.csv, report.md")
+    return metrics
+
+
+def write_report(out: Path, metrics: dict, common: dict, *, argv=None, plots: bool = True) -> Path:
+    from tangram.metrics import markdown_table, plot_throughput
+
+    lines = ["# tangram-bench report", ""]
+    if argv is not None:
+        lines += ["Command: `tangram-bench " + " ".join(argv) + "`", ""]
+    for k in ("trace", "model", "weights", "device", "dtype", "profile", "clock", "dynamic_keep"):
+        lines.append(f"- {k}: {common.get(k)}")
+    lines += ["", "## Results", "", markdown_table(metrics, TABLE_COLS), ""]
+    base = metrics.get("full", {}).get("throughput_rps")
+    if base:
+        lines += ["Throughput relative to `full`: " + ", ".join(
+            f"{m} {v['throughput_rps'] / base:.2f}x" for m, v in metrics.items() if v.get("throughput_rps")), ""]
+    lines += ["## Leak check", ""]
+    for m, v in metrics.items():
+        lk = v["leak_check"]
+        lines.append(f"- {m}: {'ok' if lk['ok'] else 'LEAK'}: {lk['pages_in_use']} of {lk['pages_total']} pages in "
+                     f"use after the run, {lk['running']} running")
+    rej = {m: v.get("rejected_reasons", {}) for m, v in metrics.items() if v.get("rejected_reasons")}
+    if rej:
+        lines += ["", "## Rejections", ""] + [f"- {m}: {r}" for m, r in rej.items()]
+    ops = sorted({k for v in metrics.values() for k in v.get("time_by_operator_s", {})})
+    if ops:
+        lines += ["", "## Time by operator (s, summed over steps)", "",
+                  "| mode | " + " | ".join(ops) + " |", "|---" * (len(ops) + 1) + "|"]
+        for m, v in metrics.items():
+            t = v.get("time_by_operator_s", {})
+            lines.append(f"| {m} | " + " | ".join(f"{t.get(o, 0.0):.3f}" for o in ops) + " |")
+    if plots:
+        try:
+            lines += ["", f"![throughput]({plot_throughput(out / 'throughput.png', metrics).name})"]
+        except Exception as e:  # plotting is optional; the numbers are in the table
+            lines += ["", f"(plot skipped: {e})"]
+    p = out / "report.md"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def _print_table(metrics: dict) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame({m: {c: v.get(c) for c in TABLE_COLS} for m, v in metrics.items()}).T
+    with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
+        print(df.to_string())
+
+
+@cli_errors
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
+    metrics = run(args)
+    return 0 if all(m["leak_ok"] for m in metrics.values()) else 1
+
+
+if __name__ == "__main__":
+    main()

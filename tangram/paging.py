@@ -1,0 +1,291 @@
+"""Ragged paging: one pool of equal-size pages and a vectorised block table.
+
+A *table* is the unit that owns a list of pages: under Ragged Paging one table
+per (layer, head group) of a request, under the monolithic vLLM layout a single
+table spanning all layers and heads. Both are this one allocator, so baseline
+and Tangram memory is measured by the same code. All per-step work is a few
+numpy operations over ``[rows, tables]`` arrays, never a Python loop over heads.
+
+Heads are addressed in *slot order*: slot ``g*H_p + j`` of a layer is the head
+``perm[l, g*H_p + j]`` (budget-aware clustering); lengths, budgets and keep
+counts below are all in slot order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tangram.budgets import BudgetProfile, check_group_size, head_groups
+from tangram.config import EngineConfig, ModelConfig
+from tangram.errors import ConfigError
+
+
+class OutOfPages(Exception):
+    """Raised internally when an allocation cannot be served; callers decide to evict or preempt."""
+
+
+@dataclass(frozen=True, eq=False)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    page_size: int
+    heads_per_group: int  # H_p; the monolithic layout uses H (and one table for all layers)
+    ragged: bool
+    perm: np.ndarray  # [L, H] slot -> KV head
+
+    @classmethod
+    def build(cls, model: ModelConfig, engine: EngineConfig, budgets: np.ndarray | None = None) -> "KVLayout":
+        L, H = model.num_layers, model.num_kv_heads
+        if engine.ragged:
+            check_group_size(H, engine.heads_per_group)
+            if budgets is None:
+                raise ConfigError("ragged paging needs a budget profile to group heads")
+            perm = head_groups(budgets, engine.heads_per_group, clustered=engine.clustering)
+            hp = engine.heads_per_group
+        else:
+            perm, hp = np.tile(np.arange(H), (L, 1)), H
+        return cls(L, H, model.head_dim, model.dtype_bytes, engine.page_size, hp, engine.ragged, perm)
+
+    @property
+    def n_groups(self) -> int:
+        return self.num_kv_heads // self.heads_per_group if self.ragged else 1
+
+    @property
+    def n_tables(self) -> int:
+        return self.num_layers * self.n_groups if self.ragged else 1
+
+    @property
+    def page_bytes(self) -> int:
+        heads = self.heads_per_group if self.ragged else self.num_layers * self.num_kv_heads
+        return heads * 2 * self.page_size * self.head_dim * self.dtype_bytes
+
+    @property
+    def head_token_bytes(self) -> int:
+        """Bytes of one token of one KV head (K and V)."""
+        return 2 * self.head_dim * self.dtype_bytes
+
+    def to_slots(self, x: np.ndarray) -> np.ndarray:
+        """Reorder a [..., L, H] per-head array from KV-head order into slot order."""
+        return np.take_along_axis(np.asarray(x), np.broadcast_to(self.perm, np.shape(x)), axis=-1)
+
+    def table_lens(self, head_lens: np.ndarray) -> np.ndarray:
+        """Tokens each table must hold [..., T]: the longest head it serves."""
+        head_lens = np.asarray(head_lens)
+        lead = head_lens.shape[:-2]
+        if self.ragged:
+            g = head_lens.reshape(lead + (self.num_layers, self.n_groups, self.heads_per_group))
+            # numpy reduces a tiny trailing axis ~30x slower than H_p elementwise maxima over whole arrays
+            # (measured 648 us vs 21 us for 256 requests x 32 layers x 8 heads at H_p = 2)
+            out = g[..., 0].copy()
+            for j in range(1, self.heads_per_group):
+                np.maximum(out, g[..., j], out=out)
+            return out.reshape(lead + (self.n_tables,))
+        return head_lens.reshape(lead + (-1,)).max(axis=-1, keepdims=True)
+
+    def pages_for(self, table_lens: np.ndarray) -> np.ndarray:
+        return -(-np.asarray(table_lens, dtype=np.int64) // self.page_size)
+
+
+class PagePool:
+    """Free-list of equal-size physical pages with double-free detection."""
+
+    def __init__(self, num_pages: int, page_bytes: int):
+        if num_pages <= 0:
+            raise ConfigError(f"the KV pool holds no page (page of {page_bytes} bytes does not fit)")
+        self.num_pages, self.page_bytes = int(num_pages), int(page_bytes)
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # stack; top = end
+        self._n_free = int(num_pages)
+        self._in_use = np.zeros(num_pages, dtype=bool)
+        self.total_allocs = 0
+        self.total_frees = 0
+
+    @property
+    def n_free(self) -> int:
+        return self._n_free
+
+    @property
+    def n_used(self) -> int:
+        return self.num_pages - self._n_free
+
+    def alloc(self, n: int) -> np.ndarray:
+        if n > self._n_free:
+            raise OutOfPages(f"need {n} pages, {self._n_free} free")
+        ids = self._free[self._n_free - n:self._n_free][::-1].copy()
+        self._n_free -= n
+        self._in_use[ids] = True
+        self.total_allocs += n
+        return ids
+
+    def free(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids, dtype=np.int32).ravel()
+        if ids.size == 0:
+            return
+        srt = np.sort(ids)  # sort+diff: ~10x cheaper than np.unique's hashing for this check
+        if not self._in_use[ids].all() or (srt[1:] == srt[:-1]).any():
+            raise AssertionError("double free or free of a page that was never allocated")
+        self._in_use[ids] = False
+        self._free[self._n_free:self._n_free + ids.size] = ids
+        self._n_free += ids.size
+        self.total_frees += ids.size
+
+
+@dataclass
+class ParkedTables:
+    """A row's pages and lengths while its session is idle (compact: exactly its page ids)."""
+
+    npages: np.ndarray  # [T]
+    lens: np.ndarray  # [T]
+    ids: np.ndarray  # concatenated page ids, table-major
+
+
+class BlockTable:
+    """Dense ``[rows, T, cap]`` page-id table for running requests, grown by doubling.
+
+    ``lens[row, t]`` is the number of tokens table ``t`` holds; ``npages[row, t]``
+    the pages it owns (capacity ``npages * P`` may exceed ``lens`` when pages were
+    reserved ahead, as Budget Reservation does at admission).
+    """
+
+    def __init__(self, layout: KVLayout, pool: PagePool, rows: int = 16, cap: int = 16):
+        self.layout, self.pool = layout, pool
+        T = layout.n_tables
+        self.pages = np.full((rows, T, cap), -1, dtype=np.int32)
+        self.npages = np.zeros((rows, T), dtype=np.int64)
+        self.lens = np.zeros((rows, T), dtype=np.int64)
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self.rows_touched = 0  # table rows updated, for pricing host work
+
+    # -- rows
+    def acquire_row(self) -> int:
+        if not self._free_rows:
+            old = self.pages.shape[0]
+            self._grow(rows=old * 2)
+            self._free_rows = list(range(old * 2 - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _grow(self, rows: int | None = None, cap: int | None = None) -> None:
+        r0, T, c0 = self.pages.shape
+        rows, cap = rows or r0, cap or c0
+        pages = np.full((rows, T, cap), -1, dtype=np.int32)
+        pages[:r0, :, :c0] = self.pages
+        npages = np.zeros((rows, T), dtype=np.int64)
+        npages[:r0] = self.npages
+        lens = np.zeros((rows, T), dtype=np.int64)
+        lens[:r0] = self.lens
+        self.pages, self.npages, self.lens = pages, npages, lens
+
+    def release_row(self, row: int) -> int:
+        """Free every page of the row; returns pages freed."""
+        n = self.npages[row]
+        ids = self.pages[row][np.arange(self.pages.shape[2])[None, :] < n[:, None]]
+        self.pool.free(ids)
+        self.pages[row] = -1
+        self.npages[row] = 0
+        self.lens[row] = 0
+        self._free_rows.append(row)
+        self.rows_touched += self.layout.n_tables
+        return int(ids.size)
+
+    def park(self, row: int) -> ParkedTables:
+        n = self.npages[row].copy()
+        ids = self.pages[row][np.arange(self.pages.shape[2])[None, :] < n[:, None]].copy()
+        parked = ParkedTables(n, self.lens[row].copy(), ids)
+        self.pages[row] = -1
+        self.npages[row] = 0
+        self.lens[row] = 0
+        self._free_rows.append(row)
+        return parked
+
+    def unpark(self, parked: ParkedTables) -> int:
+        row = self.acquire_row()
+        need_cap = int(parked.npages.max(initial=0))
+        if need_cap > self.pages.shape[2]:
+            self._grow(cap=max(need_cap, 2 * self.pages.shape[2]))
+        T = self.layout.n_tables
+        tt = np.repeat(np.arange(T), parked.npages)
+        col = np.arange(parked.ids.size) - np.repeat(np.cumsum(parked.npages) - parked.npages, parked.npages)
+        self.pages[row, tt, col] = parked.ids
+        self.npages[row] = parked.npages
+        self.lens[row] = parked.lens
+        return row
+
+    def free_parked(self, parked: ParkedTables) -> int:
+        self.pool.free(parked.ids)
+        return int(parked.ids.size)
+
+    # -- capacity
+    def pages_needed(self, rows: np.ndarray, table_lens: np.ndarray) -> np.ndarray:
+        """Extra pages [k, T] the rows need so each table can hold ``table_lens`` tokens."""
+        return np.maximum(0, self.layout.pages_for(table_lens) - self.npages[rows])
+
+    def ensure(self, rows: np.ndarray, table_lens: np.ndarray, need: np.ndarray | None = None) -> int:
+        """Allocate pages so tables can hold ``table_lens`` tokens; all-or-nothing. Returns pages allocated.
+
+        ``need`` may pass ``pages_needed(rows, table_lens)`` when the caller already has it.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if need is None:
+            need = self.pages_needed(rows, table_lens)
+        total = int(need.sum())
+        if total == 0:
+            return 0
+        if total > self.pool.n_free:
+            raise OutOfPages(f"need {total} pages, {self.pool.n_free} free")
+        new_np = self.npages[rows] + need
+        cap = int(new_np.max())
+        if cap > self.pages.shape[2]:
+            self._grow(cap=max(cap, 2 * self.pages.shape[2]))
+        ids = self.pool.alloc(total)
+        T = self.layout.n_tables
+        flat = need.ravel()
+        rr = np.repeat(np.repeat(rows, T), flat)
+        tt = np.repeat(np.tile(np.arange(T), rows.size), flat)
+        off = np.arange(total) - np.repeat(np.cumsum(flat) - flat, flat)
+        self.pages[rr, tt, self.npages[rr, tt] + off] = ids
+        self.npages[rows] = new_np
+        self.rows_touched += int(np.count_nonzero(flat))
+        return total
+
+    def truncate(self, rows: np.ndarray, table_lens: np.ndarray) -> int:
+        """Return pages beyond what ``table_lens`` tokens need (the dynamic mode's reclaim)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        keep = np.minimum(self.layout.pages_for(table_lens), self.npages[rows])
+        extra = self.npages[rows] - keep
+        total = int(extra.sum())
+        self.lens[rows] = np.minimum(self.lens[rows], table_lens)
+        if total == 0:
+            return 0
+        T = self.layout.n_tables
+        flat = extra.ravel()
+        rr = np.repeat(np.repeat(rows, T), flat)
+        tt = np.repeat(np.tile(np.arange(T), rows.size), flat)
+        off = np.arange(total) - np.repeat(np.cumsum(flat) - flat, flat)
+        col = keep.ravel().repeat(flat) + off
+        ids = self.pages[rr, tt, col]
+        self.pool.free(ids)
+        self.pages[rr, tt, col] = -1
+        self.npages[rows] = keep
+        self.rows_touched += int(np.count_nonzero(flat))
+        return total
+
+    def pages_in_use(self) -> int:
+        return int(self.npages.sum())
+
+
+def memory_report(layout: KVLayout, head_lens: np.ndarray, useful_lens: np.ndarray | None = None) -> dict:
+    """Bytes reserved, bytes live and fragmentation for a set of requests.
+
+    ``head_lens`` [n, L, H] (slot order) are the tokens each head holds;
+    ``useful_lens`` (default ``head_lens``) the tokens its own budget asks for.
+    Reserved = whole pages of every table; fragmentation = 1 - live / reserved.
+    """
+    head_lens = np.asarray(head_lens)
+    useful = head_lens if useful_lens is None else np.asarray(useful_lens)
+    pages = int(layout.pages_for(layout.table_lens(head_lens)).sum())
+    reserved = pages * layout.page_bytes
+    live = int(useful.sum()) * layout.head_token_bytes
+    return {"pages": pages, "bytes_reserved": reserved, "bytes_live": live,
+            "fragmentation": 0.0 if reserved == 0 else 1.0 - live / reserved}

@@ -1,0 +1,116 @@
+"""Decode work partitioning: the AOT split map (Algorithm 1) and the two baselines.
+
+* :func:`aot_split_map` runs once, offline, from budget ratios. The decode
+  kernel reads ``S[l, g]`` and does no planning at run time.
+* :func:`flashdecoding_num_splits` is FlashDecoding's static heuristic: one
+  ``num_splits`` for every head, chosen from the batch shape alone.
+* :func:`runtime_plan` is the FlashInfer-style per-layer plan a system must
+  recompute every step when lengths differ across layers; it reports how much
+  host work it did so that work can be priced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tangram.budgets import check_group_size, group_sums
+from tangram.errors import ConfigError
+
+
+def aot_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_cta: int,
+                  rounding: str = "round") -> np.ndarray:
+    """Algorithm 1: S[l, i] = max(1, R(Phi[l, i] / tau_l)), tau_l = Omega_l / N_CTA.
+
+    ``rounding="round"`` is the paper's rule, implemented as round-half-up
+    (``floor(x + 0.5)``, not numpy's round-half-to-even) so a share of exactly
+    k + 1/2 CTAs always gets k + 1. ``rounding="ceil"`` is the primer's variant,
+    which never gives a group fewer CTAs than its share (more CTAs in total).
+    Layers whose budget sums to zero keep S = 1 (line 4).
+    """
+    if n_cta < 1:
+        raise ConfigError(f"N_CTA must be >= 1, got {n_cta}")
+    B = np.asarray(B, dtype=np.float64)
+    check_group_size(B.shape[1], heads_per_group)
+    phi = group_sums(B, perm, heads_per_group)  # [L, G]
+    omega = B.sum(axis=1, keepdims=True)  # [L, 1]
+    safe = np.where(omega > 0, omega, 1.0)
+    share = phi / (safe / n_cta)
+    if rounding == "round":
+        s = np.floor(share + 0.5)
+    elif rounding == "ceil":
+        s = np.ceil(share - 1e-12)
+    else:
+        raise ConfigError(f"rounding must be 'round' or 'ceil', got {rounding!r}")
+    s = np.where(omega > 0, s, 1.0)
+    return np.maximum(1, s).astype(np.int32)
+
+
+def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """FlashAttention-2's ``num_splits_heuristic`` (flash_api.cpp), applied to every head alike.
+
+    ``batch_nheads`` counts (request, KV head) pairs of the launch, ``num_n_blocks``
+    the KV blocks of the longest sequence. Picks the fewest splits whose wave
+    efficiency is within 85% of the best.
+    """
+    if batch_nheads >= 0.8 * num_sms:
+        return 1
+    max_splits = min(max_splits, num_sms, max(1, num_n_blocks))
+
+    def eligible(s: int) -> bool:
+        return s == 1 or -(-num_n_blocks // s) != -(-num_n_blocks // (s - 1))
+
+    eff = np.zeros(max_splits + 1)
+    best = 0.0
+    for s in range(1, max_splits + 1):
+        if not eligible(s):
+            continue
+        waves = batch_nheads * s / num_sms
+        eff[s] = waves / np.ceil(waves)
+        best = max(best, eff[s])
+    for s in range(1, max_splits + 1):
+        if eligible(s) and eff[s] >= 0.85 * best:
+            return s
+    return 1
+
+
+@dataclass
+class RuntimePlan:
+    """Per-layer split counts for every (request, head) and the host work spent finding them."""
+
+    splits: list[np.ndarray]  # per layer: [R, H] chunks per (request, head)
+    chunk_tokens: np.ndarray  # [L] the chunk size chosen for each layer
+    host_items: int  # (request, head) work items scanned, summed over layers and search iterations
+    search_iters: int
+
+
+def runtime_plan(lengths: np.ndarray, n_cta: int, min_chunk: int = 16) -> RuntimePlan:
+    """FlashInfer-style balanced split-KV plan, recomputed for each layer.
+
+    For each layer, binary-search the largest chunk size whose chunk count fits
+    ``n_cta`` CTAs, then split every (request, head) into chunks of that size.
+    ``lengths`` is [R, L, H] retained tokens. The loop over layers is the point:
+    non-uniform lengths differ per layer, so one plan cannot be reused across
+    layers the way FlashInfer reuses it for uniform caches.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 3:
+        raise ConfigError(f"lengths must be [R, L, H], got {lengths.shape}")
+    R, L, H = lengths.shape
+    splits, chunks, items, iters = [], np.zeros(L, dtype=np.int64), 0, 0
+    for l in range(L):
+        x = lengths[:, l, :]
+        lo, hi = min_chunk, max(min_chunk, int(x.max()) if x.size else min_chunk)
+        while lo < hi:  # smallest chunk whose chunk count fits n_cta
+            mid = (lo + hi) // 2
+            n = int(np.maximum(1, -(-x // mid)).sum())
+            items += x.size
+            iters += 1
+            if n <= n_cta:
+                hi = mid
+            else:
+                lo = mid + 1
+        chunks[l] = lo
+        splits.append(np.maximum(1, -(-x // lo)).astype(np.int32))
+        items += x.size
+    return RuntimePlan(splits, chunks, items, iters)

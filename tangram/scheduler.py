@@ -1,0 +1,455 @@
+"""Iteration-level continuous batching with chunked prefill and Budget Reservation.
+
+One scheduler serves every mode of the design brief; the mode only changes
+three things, all resolved in ``__init__``:
+
+* **what a head keeps of a chunk of C tokens** (``_keep``): all of it (full),
+  ``ceil(rho*C)`` (uniform), ``ceil(B[l,h]*C)`` (static budgets), or an
+  input-dependent count only known after the forward pass (dynamic, global
+  top-k: pages are over-allocated for the whole chunk and reclaimed in
+  :meth:`update` from ``StepResult.realized_keep``);
+* **when pages are taken**: at admission for the turn's whole post-compression
+  prefill footprint (Budget Reservation), or chunk by chunk (vLLM style);
+* **the page layout** (monolithic or ragged, :mod:`tangram.paging`).
+
+Sessions keep their compressed KV resident between turns; idle sessions are
+evicted LRU when memory runs short (their next turn recomputes the history),
+then running requests are preempted by recompute, latest admitted first.
+
+The scheduler knows nothing of time, torch or simpy: drivers call
+``add_request`` when a turn is ready, then ``schedule`` / ``update`` per step.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tangram.budgets import BudgetProfile
+from tangram.config import EngineConfig, ModelConfig
+from tangram.errors import ConfigError
+from tangram.paging import BlockTable, KVLayout, OutOfPages, PagePool, ParkedTables
+from tangram.plan import Event, StepPlan, StepResult
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class Request:
+    """One turn of a session being served."""
+
+    rid: int
+    sid: str
+    new_tokens: int
+    output_tokens: int
+    status: str = "waiting"  # waiting | running | finished | rejected
+    prompt: int = 0  # tokens to prefill in the current attempt
+    prefilled: int = 0
+    generated: int = 0
+    row: int = -1
+    seq: int = -1  # admission order (preemption picks the latest)
+    preemptions: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return self.status == "running" and self.prefilled >= self.prompt
+
+
+@dataclass
+class Session:
+    sid: str
+    history: int = 0  # logical tokens of finished turns (prompts + outputs)
+    parked: ParkedTables | None = None  # resident, idle
+    parked_head_lens: np.ndarray | None = None
+    parked_ctx: int = 0
+    busy: bool = False  # a turn of it is admitted
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    admitted: int = 0
+    preemptions: int = 0
+    session_evictions: int = 0
+    rejected: int = 0
+    finished: int = 0
+    pages_allocated: int = 0
+    pages_freed: int = 0
+    pages_reclaimed: int = 0  # dynamic mode's compress-and-reclaim
+    peak_pages: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, model: ModelConfig, engine: EngineConfig, profile: BudgetProfile | None = None,
+                 *, pool_bytes: int | None = None, num_pages: int | None = None):
+        self.model, self.engine = model, engine
+        L, H = model.num_layers, model.num_kv_heads
+        self.retention = engine.retention
+        if profile is not None:
+            profile.check_model(L, H, model.name)
+            profile = profile.with_alpha(engine.alpha)
+        if self.retention in ("static", "global") and profile is None:
+            raise ConfigError(f"mode {engine.mode!r} needs a budget profile")
+        self.profile = profile
+        if self.retention == "full":
+            ratio = np.ones((L, H))
+        elif self.retention == "uniform":
+            ratio = np.full((L, H), engine.rho)
+        elif self.retention == "static":
+            ratio = profile.B
+        else:  # global: allocation upper bound is the whole chunk
+            ratio = np.ones((L, H))
+        grouping = profile.B if profile is not None else ratio
+        self.layout = KVLayout.build(model, engine, grouping)
+        self.keep_ratio = self.layout.to_slots(ratio)  # [L, H] slot order
+        self._est_ratio = self.layout.to_slots(profile.B) if profile is not None else self.keep_ratio
+        if num_pages is None:
+            if pool_bytes is None:
+                raise ConfigError("give the scheduler pool_bytes or num_pages")
+            num_pages = int(pool_bytes // self.layout.page_bytes)
+        self.pool = PagePool(num_pages, self.layout.page_bytes)
+        self.bt = BlockTable(self.layout, self.pool, rows=min(engine.max_num_seqs, 64))
+        self.head_lens = np.zeros((self.bt.pages.shape[0], L, H), dtype=np.int64)
+        self.ctx = np.zeros(self.bt.pages.shape[0], dtype=np.int64)
+        self.requests: dict[int, Request] = {}
+        self.sessions: dict[str, Session] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.idle: OrderedDict[str, None] = OrderedDict()  # resident idle sessions, LRU first
+        self.stats = SchedulerStats()
+        self.live_tokens = 0  # head-tokens held (sum of head_lens over resident KV)
+        self._seq = 0
+        self._step = 0
+        self._in_step: set[int] = set()
+        self._events: list[Event] = []
+        self._counters: dict = {}
+
+    # ------------------------------------------------------------------ sizes
+    def _keep(self, c: np.ndarray) -> np.ndarray:
+        """Tokens each head keeps of chunks of ``c`` tokens: [k, L, H] (upper bound for global)."""
+        c = np.asarray(c, dtype=np.int64)
+        return np.ceil(self.keep_ratio[None] * c[:, None, None] - 1e-9).astype(np.int64)
+
+    def _prefill_keep_total(self, prompt: int) -> np.ndarray:
+        """Post-compression tokens per head after prefilling ``prompt`` tokens in chunks of C."""
+        C = self.engine.chunk_size
+        n_full, rem = divmod(int(prompt), C)
+        k = self._keep(np.array([C, rem]))
+        return n_full * k[0] + k[1]
+
+    def footprint_pages(self, prompt: int, output: int, head_lens: np.ndarray | None = None) -> int:
+        """Pages a turn occupies once prefilled and decoded (from ``head_lens``, default empty)."""
+        base = np.zeros(self.keep_ratio.shape, dtype=np.int64) if head_lens is None else head_lens
+        if self.retention == "global":  # expected compressed size plus one uncompressed chunk in flight
+            est = np.ceil(self._est_ratio * prompt).astype(np.int64)
+            final = base + est + min(prompt, self.engine.chunk_size) + output
+        else:
+            final = base + self._prefill_keep_total(prompt) + output
+        return int(self.layout.pages_for(self.layout.table_lens(final)).sum())
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, rid: int, sid: str, new_tokens: int, output_tokens: int) -> list[Event]:
+        """A turn became ready (arrived, or its think time passed). Returns rejection events, if any."""
+        if rid in self.requests:
+            raise ValueError(f"request id {rid} added twice")
+        req = Request(rid, sid, int(new_tokens), int(output_tokens))
+        self.requests[rid] = req
+        sess = self.sessions.setdefault(sid, Session(sid))
+        if sess.busy:
+            raise ValueError(f"session {sid} already has a turn in flight")
+        total = sess.history + req.new_tokens + req.output_tokens
+        reason = None
+        if total > self.model.max_context:
+            reason = f"context {total} tokens exceeds the model's {self.model.max_context}"
+        else:
+            need = self.footprint_pages(sess.history + req.new_tokens, req.output_tokens)
+            if need > self.pool.num_pages:
+                reason = (f"turn needs {need} KV pages ({need * self.layout.page_bytes / 2**30:.2f} GiB) "
+                          f"but the whole pool holds {self.pool.num_pages}")
+        if reason:
+            req.status = "rejected"
+            self.stats.rejected += 1
+            return [Event(rid, "rejected", reason)]
+        sess.busy = True
+        self.waiting.append(req)
+        return []
+
+    def end_session(self, sid: str) -> None:
+        """The session has no further turns: free its resident KV now."""
+        sess = self.sessions.pop(sid, None)
+        if sess is None:
+            return
+        if sess.busy:
+            raise ValueError(f"session {sid} ended with a turn in flight")
+        if sess.parked is not None:
+            self._drop_parked(sess)
+
+    # ------------------------------------------------------------------ memory pressure
+    def _drop_parked(self, sess: Session) -> None:
+        self.stats.pages_freed += self.bt.free_parked(sess.parked)
+        self.live_tokens -= int(sess.parked_head_lens.sum())
+        sess.parked = sess.parked_head_lens = None
+        sess.parked_ctx = 0
+        self.idle.pop(sess.sid, None)
+
+    def _evict_one(self, keep: str | None = None) -> bool:
+        for sid in self.idle:
+            if sid != keep:
+                self._drop_parked(self.sessions[sid])
+                self.stats.session_evictions += 1
+                self._counters["evicted"] += 1
+                return True
+        return False
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop all of the session's KV, requeue the turn at the front."""
+        self._release_row(req)
+        self.running.remove(req)
+        req.status, req.prompt, req.prefilled, req.row = "waiting", 0, 0, -1
+        req.preemptions += 1
+        self.waiting.appendleft(req)
+        self.stats.preemptions += 1
+        self._counters["preempted"] += 1
+        self._events.append(Event(req.rid, "preempted"))
+
+    def _release_row(self, req: Request) -> None:
+        self.live_tokens -= int(self.head_lens[req.row].sum())
+        self.stats.pages_freed += self.bt.release_row(req.row)
+        self.head_lens[req.row] = 0
+        self.ctx[req.row] = 0
+
+    def _make_room(self, pages: int, *, keep_sid: str | None = None, preempt_after: int | None = None) -> bool:
+        """Free pages: idle sessions LRU first, then (if allowed) running turns admitted after ``preempt_after``."""
+        while self.pool.n_free < pages:
+            if self._evict_one(keep=keep_sid):
+                continue
+            if preempt_after is None:
+                return False
+            victims = [r for r in self.running if r.seq > preempt_after and r.rid not in self._in_step]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda r: r.seq))
+        return True
+
+    # ------------------------------------------------------------------ step
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        self._step += 1
+        self._events: list[Event] = []
+        self._counters = {"admitted": 0, "preempted": 0, "evicted": 0, "pages_allocated": 0}
+        rows0, alloc0 = self.bt.rows_touched, self.pool.total_allocs
+        frees0 = self.pool.total_frees
+        budget = self.engine.max_batched_tokens
+
+        # 1. decode: every running request past its prefill writes one token.
+        self._in_step: set[int] = set()
+        while True:
+            dec = [r for r in self.running if r.decoding]
+            if not dec:
+                break
+            rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
+            new_lens = self.head_lens[rows] + 1
+            tl = self.layout.table_lens(new_lens)
+            need_t = self.bt.pages_needed(rows, tl)
+            need = int(need_t.sum())
+            if need <= self.pool.n_free:
+                self.bt.ensure(rows, tl, need_t)
+                break
+            if not self._evict_one():
+                self._preempt(max(self.running, key=lambda r: r.seq))
+        if dec:
+            self.head_lens[rows] = new_lens
+            self.bt.lens[rows] = tl
+            self.ctx[rows] += 1
+            self.live_tokens += rows.size * new_lens[0].size
+            budget -= len(dec)
+            d_ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
+            self._in_step.update(int(r) for r in d_ids)
+            d_rows, d_ctx, d_lens = rows, self.ctx[rows].copy(), new_lens
+        else:
+            d_ids = d_rows = d_ctx = _EMPTY
+            d_lens = np.zeros((0,) + self.keep_ratio.shape, dtype=np.int64)
+
+        # 2. prefill chunks of admitted requests, then 3. admit waiting turns FCFS.
+        pf: list[tuple] = []
+        for req in list(self.running):
+            if req.status == "running" and not req.decoding and (budget > 0 or not pf):
+                budget -= self._schedule_chunk(req, budget, pf)
+        # As vLLM v1: a step that had to preempt admits nothing new (admitting would only feed the thrash).
+        # A turn is admitted only if its first chunk also fits this step's token budget: admitted turns that get
+        # no chunk would hold memory without progress and be the first preempted.
+        while (self.waiting and not self._counters["preempted"] and len(self.running) < self.engine.max_num_seqs
+               and (min(self.engine.chunk_size, self._prompt_of(self.waiting[0])) <= budget or not pf)):
+            if not self._admit(self.waiting[0]):
+                break
+            budget -= self._schedule_chunk(self.running[-1], budget, pf)
+
+        if pf:
+            p_ids, p_rows, p_start, p_tok, p_last, p_before, p_keep, p_pages = map(np.array, zip(*pf))
+        else:
+            p_ids = p_rows = p_start = p_tok = _EMPTY
+            p_last = np.zeros(0, dtype=bool)
+            p_before = p_keep = np.zeros((0,) + self.keep_ratio.shape, dtype=np.int64)
+            p_pages = np.zeros((0, self.layout.n_tables), dtype=np.int64)
+        self._counters.update(
+            pages_allocated=self.pool.total_allocs - alloc0, pages_freed=self.pool.total_frees - frees0,
+            rows_touched=self.bt.rows_touched - rows0, tables=self.layout.n_tables,
+            decode_rows=int(d_ids.size), prefill_rows=len(pf))
+        self.stats.pages_allocated += self._counters["pages_allocated"]
+        self.stats.steps += 1
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.n_used)
+        return StepPlan(self._step, d_ids, d_rows, d_ctx, d_lens, p_ids, p_rows, p_start, p_tok, p_last,
+                        p_before, p_keep, p_pages, dict(self._counters), self.retention)
+
+    def _prompt_of(self, req: Request) -> int:
+        """Tokens the turn must prefill if admitted now: its new tokens, plus the history if not resident."""
+        sess = self.sessions[req.sid]
+        if sess.parked is not None:
+            return req.new_tokens + req.generated
+        return sess.history + req.new_tokens + req.generated
+
+    def _admit(self, req: Request) -> bool:
+        sess = self.sessions[req.sid]
+        resident = sess.parked is not None
+        prompt = self._prompt_of(req)
+        base = sess.parked_head_lens if resident else np.zeros(self.keep_ratio.shape, dtype=np.int64)
+        held = int(sess.parked.npages.sum()) if resident else 0
+        if self.engine.reserve_exact:
+            final = base + self._prefill_keep_total(prompt)
+        else:  # pages come chunk by chunk; admission only checks the first chunk fits
+            final = base + self._keep(np.array([min(prompt, self.engine.chunk_size)]))[0]
+        need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held)
+        watermark = int(0.01 * self.pool.num_pages) if self.running else 0
+        if not self.engine.reserve_exact:
+            watermark += self._inflight_chunk_pages()
+        if not self._make_room(need + watermark, keep_sid=req.sid):
+            return False
+        self.waiting.popleft()
+        if resident:
+            self.idle.pop(req.sid, None)
+            row = self.bt.unpark(sess.parked)
+            self._fit_rows()
+            self.head_lens[row] = sess.parked_head_lens
+            self.ctx[row] = sess.parked_ctx
+            sess.parked = sess.parked_head_lens = None
+        else:
+            row = self.bt.acquire_row()
+            self._fit_rows()
+            self.head_lens[row] = 0
+            self.ctx[row] = 0
+        if self.engine.reserve_exact:
+            self.bt.ensure(np.array([row]), self.layout.table_lens(final)[None])
+        req.status, req.row, req.prompt, req.prefilled = "running", row, prompt, 0
+        req.seq, self._seq = self._seq, self._seq + 1
+        self.running.append(req)
+        self.stats.admitted += 1
+        self._counters["admitted"] += 1
+        self._events.append(Event(req.rid, "admitted", "resident" if resident else "recompute"))
+        return True
+
+    def _inflight_chunk_pages(self) -> int:
+        """Pages the next chunk of every admitted, still-prefilling turn will take (chunk-by-chunk modes).
+
+        Admitting only beyond this headroom keeps a new turn from being preempted by an older turn's next chunk
+        (with whole uncompressed chunks allocated in ``dynamic`` mode, that churn otherwise dominates).
+        """
+        pre = [r for r in self.running if not r.decoding]
+        if not pre:
+            return 0
+        rows = np.fromiter((r.row for r in pre), dtype=np.int64, count=len(pre))
+        c = np.fromiter((min(self.engine.chunk_size, r.prompt - r.prefilled) for r in pre), dtype=np.int64,
+                        count=len(pre))
+        tl = self.layout.table_lens(self.head_lens[rows] + self._keep(c))
+        return int(self.bt.pages_needed(rows, tl).sum())
+
+    def _fit_rows(self) -> None:
+        n = self.bt.pages.shape[0]
+        if self.head_lens.shape[0] < n:
+            hl = np.zeros((n,) + self.head_lens.shape[1:], dtype=np.int64)
+            hl[: self.head_lens.shape[0]] = self.head_lens
+            ctx = np.zeros(n, dtype=np.int64)
+            ctx[: self.ctx.size] = self.ctx
+            self.head_lens, self.ctx = hl, ctx
+
+    def _schedule_chunk(self, req: Request, budget: int, pf: list) -> int:
+        """Put the request's next chunk in the step; returns tokens used (0 if it must wait)."""
+        c = min(self.engine.chunk_size, req.prompt - req.prefilled)
+        if c > budget and pf:  # the first chunk of a step may overrun the budget so prefill never starves
+            return 0
+        row = req.row
+        before = self.head_lens[row].copy()
+        keep = self._keep(np.array([c]))[0]
+        upper = before + keep  # global: keep == c, the over-allocation
+        tl = self.layout.table_lens(upper)[None]
+        if not self.engine.reserve_exact:
+            need = int(self.bt.pages_needed(np.array([row]), tl).sum())
+            if need > self.pool.n_free and not self._make_room(need, keep_sid=req.sid, preempt_after=req.seq):
+                return 0
+            self.bt.ensure(np.array([row]), tl)
+        self.bt.lens[row] = tl[0]
+        if self.retention != "global":
+            self.head_lens[row] = upper
+            self.live_tokens += int(keep.sum())
+        start = int(self.ctx[row])
+        self.ctx[row] += c
+        req.prefilled += c
+        self._in_step.add(req.rid)
+        pf.append((req.rid, row, start, c, req.prefilled >= req.prompt, before, keep, self.bt.npages[row].copy()))
+        return c
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Event]:
+        events = self._events
+        self._events = []
+        if plan.retention == "global" and plan.num_prefill:
+            if result.realized_keep is None:
+                raise ValueError("dynamic mode: the executor must report realized_keep for prefill rows")
+            kept = np.clip(np.asarray(result.realized_keep, dtype=np.int64), 0, plan.prefill_keep)
+            new = plan.prefill_head_lens + kept
+            self.head_lens[plan.prefill_rows] = new
+            self.live_tokens += int(kept.sum())
+            reclaimed = self.bt.truncate(plan.prefill_rows, self.layout.table_lens(new))
+            self.stats.pages_reclaimed += reclaimed
+            self.stats.pages_freed += reclaimed
+        for i in range(plan.num_prefill):
+            if plan.prefill_last[i]:
+                self._emit_token(self.requests[int(plan.prefill_ids[i])], events)
+        for rid in plan.decode_ids:
+            self._emit_token(self.requests[int(rid)], events)
+        return events
+
+    def _emit_token(self, req: Request, events: list[Event]) -> None:
+        req.generated += 1
+        if req.generated == 1:
+            events.append(Event(req.rid, "first_token"))
+        if req.generated >= req.output_tokens:
+            self._finish(req)
+            events.append(Event(req.rid, "finished"))
+
+    def _finish(self, req: Request) -> None:
+        sess = self.sessions[req.sid]
+        self.running.remove(req)
+        req.status = "finished"
+        sess.history += req.new_tokens + req.output_tokens
+        sess.busy = False
+        if self.engine.session_cache:
+            sess.parked_head_lens = self.head_lens[req.row].copy()
+            sess.parked_ctx = int(self.ctx[req.row])
+            sess.parked = self.bt.park(req.row)
+            self.head_lens[req.row] = 0
+            self.ctx[req.row] = 0
+            self.idle[req.sid] = None
+        else:
+            self._release_row(req)
+        req.row = -1
+        self.stats.finished += 1
+
+    # ------------------------------------------------------------------ reporting
+    def kv_usage(self) -> dict:
+        reserved = self.pool.n_used * self.layout.page_bytes
+        live = self.live_tokens * self.layout.head_token_bytes
+        return {"pages_used": self.pool.n_used, "pages_total": self.pool.num_pages, "bytes_reserved": reserved,
+                "bytes_live": live, "fragmentation": 0.0 if reserved == 0 else 1.0 - live / reserved}

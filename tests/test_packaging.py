@@ -1,0 +1,54 @@
+"""The folder layout installs under the tangram namespace, both as a wheel and editable."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = ["tangram", "tangram.sim", "tangram.kernels", "tangram.traces", "tangram.tuning", "tangram.engine",
+           "tangram.calibration"]
+
+
+def _import_from(tmp_path, env_extra):
+    code = ("import importlib, json; print(json.dumps({m: importlib.import_module(m).__file__ for m in %r}))"
+            % (MODULES,))
+    env = {**os.environ, **env_extra}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    import json
+    return json.loads(out.stdout)
+
+
+def test_no_generic_top_level_names():
+    import tangram.sim
+    for generic in ("sim", "kernels", "traces", "tuning"):
+        assert generic not in sys.modules or not getattr(sys.modules[generic], "__file__", "").startswith(str(ROOT))
+
+
+def test_regular_install_imports(tmp_path):
+    target = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(ROOT)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(r.stderr[-2000:])
+    files = _import_from(tmp_path, {"PYTHONPATH": str(target)})
+    for m, f in files.items():
+        assert f.startswith(str(target)), (m, f)
+    assert files["tangram.sim"].endswith(os.path.join("tangram", "sim", "__init__.py"))
+    assert (target / "tangram" / "traces" / "data" / "default.jsonl").exists()
+
+
+def test_editable_install_maps_folders():
+    # The development install (pip install -e .) maps each folder to its tangram.* name.
+    import tangram.kernels
+    import tangram.sim
+    import tangram.traces
+    import tangram.tuning
+    if not str(Path(tangram.sim.__file__).resolve()).startswith(str(ROOT)):
+        pytest.skip("tangram is installed non-editable in this environment")
+    assert Path(tangram.sim.__file__).resolve() == ROOT / "sim" / "__init__.py"
+    assert Path(tangram.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+    assert Path(tangram.traces.__file__).resolve() == ROOT / "traces" / "__init__.py"
+    assert Path(tangram.tuning.__file__).resolve() == ROOT / "tuning" / "__init__.py"

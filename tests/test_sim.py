@@ -1,0 +1,417 @@
+"""Simulator: determinism, accounting of every request, bad inputs, cost-model sanity, routers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tangram.budgets import synthetic_profile
+from tangram.config import EngineConfig, get_gpu, get_model
+from tangram.paging import KVLayout
+from tangram.plan import StepPlan, StepResult
+from tangram.scheduler import Scheduler
+from tangram.sim.cli import main
+from tangram.sim.cluster import Cluster
+from tangram.sim.costmodel import CostModel
+from tangram.sim.run import SimSpec, parse_slo, simulate
+from tangram.traces import Trace, Turn, generate, save_trace
+
+LLAMA, H100 = get_model("llama-3.1-8b"), get_gpu("h100-80gb")
+SMOL = get_model("smollm2-135m")
+
+
+def _trace(n_sessions=5, seed=None, category="short"):
+    seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
+    return generate(n_sessions, category, seed=seed, rate=2.0, turns="uniform:2:3", output_tokens="uniform:4:24")
+
+
+def _turn(sid, k, new, out, arrival=None, think=0.0):
+    return Turn(f"{sid}:{k}", sid, k, arrival if k == 0 else None, think, new, out)
+
+
+def _run_cli(tmp_path, *extra, name="out"):
+    out = tmp_path / name
+    with pytest.raises(SystemExit) as e:
+        main([*extra, "--out", str(out), "--no-plots"])
+    assert e.value.code == 0
+    return out
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_metrics_byte_identical_and_requests_accounted(tmp_path):
+    tr = _trace(4)
+    path = tmp_path / "t.jsonl"
+    save_trace(tr, path)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": "smollm2-135m", "kv_pool_bytes": 64 * 2**20, "chunk_size": 512,
+                               "max_batched_tokens": 1024, "heads_per_group": 1}))
+    a = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "full,dynamic,tangram", name="a")
+    b = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "full", "--mode", "dynamic,tangram", name="b")
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+    m = json.loads((a / "metrics.json").read_text())
+    assert list(m) == ["dynamic", "full", "tangram"]  # sorted keys
+    for mode, v in m.items():
+        for k in ("throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                  "e2e_p99_s", "peak_kv_bytes", "kv_utilization", "fragmentation", "preemptions",
+                  "session_evictions", "completed", "rejected", "cost_model_source"):
+            assert k in v, (mode, k)
+        assert v["completed"] + v["rejected"] == len(tr.turns)
+        assert v["cost_model_source"]["decode_attention"]
+    df = pd.read_csv(a / "requests.csv")
+    assert len(df) == 3 * len(tr.turns)
+    assert set(df["status"]) <= {"finished", "rejected"}
+    assert (a / "report.md").exists()
+
+
+def test_turn_larger_than_pool_rejected_with_reason(tmp_path):
+    turns = [_turn("a", 0, 300, 8, arrival=0.0), _turn("a", 1, 200, 8, think=0.5),
+             _turn("big", 0, 7_000, 8, arrival=0.1), _turn("big", 1, 100, 8, think=1.0),
+             _turn("c", 0, 400, 16, arrival=0.2)]
+    path = tmp_path / "t.jsonl"
+    save_trace(Trace(turns), path)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": "smollm2-135m", "kv_pool_bytes": 32 * 2**20, "heads_per_group": 1}))
+    out = _run_cli(tmp_path, str(path), "--config", str(cfg))
+    df = pd.read_csv(out / "requests.csv")
+    assert len(df) == 6 * len(turns)  # every mode, every request
+    for _, g in df.groupby("mode"):
+        st_ = dict(zip(g["request_id"], zip(g["status"], g["reason"].fillna(""))))
+        assert st_["a:0"][0] == st_["a:1"][0] == st_["c:0"][0] == "finished"
+        assert st_["big:0"][0] == "rejected" and "whole pool" in st_["big:0"][1]
+        assert st_["big:1"] == ("rejected", "previous turn rejected")
+    m = json.loads((out / "metrics.json").read_text())
+    assert all(v["rejected"] == 2 and v["completed"] == 3 for v in m.values())
+
+
+def test_no_arguments_runs_bundled_trace_quickly(tmp_path, monkeypatch):
+    """The no-argument path (bundled trace, all modes) resolves; the run itself is exercised on a head of it."""
+    from tangram.sim import cli
+    from tangram.traces import default_trace_path, load_trace
+
+    full = load_trace(default_trace_path())
+    small = full.head(1)
+    monkeypatch.setattr("tangram.traces.load_trace", lambda p: small)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--no-plots"])
+    assert e.value.code == 0
+    m = json.loads((tmp_path / "tangram-sim-out" / "metrics.json").read_text())
+    assert sorted(m) == sorted(["full", "uniform", "dynamic", "br", "br+rp", "tangram"])
+    assert m["tangram"]["run"]["trace"] == str(default_trace_path())
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("case", ["bad_json", "unknown_model", "unknown_gpu", "bad_slo", "profile_shape", "bad_hp",
+                                  "bad_config_key", "bad_mode"])
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
+    good = tmp_path / "t.jsonl"
+    save_trace(_trace(2, seed=1), good)
+    args = [str(good), "--out", str(tmp_path / "o"), "--mode", "tangram"]
+    if case == "bad_json":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"session_id": "a", "turn": 0, "arrival_s": 0, "new_tokens": 5, "output_tokens": 2}\n{oops\n')
+        args[0] = str(bad)
+        want = "bad.jsonl:2"
+    elif case == "unknown_model":
+        args += ["--model", "gpt-9"]
+        want = "unknown model"
+    elif case == "unknown_gpu":
+        args += ["--gpu", "tpu9"]
+        want = "unknown GPU"
+    elif case == "bad_slo":
+        args += ["--slo", "ttft_p99=fast", "--capacity"]
+        want = "--slo"
+    elif case == "profile_shape":
+        p = synthetic_profile(4, 2, 0.25, n_samples=3)
+        p.save(tmp_path / "p.json")
+        args += ["--profile", str(tmp_path / "p.json")]
+        want = "does not match model"
+    elif case == "bad_hp":
+        args += ["--hp", "3"]
+        want = "must divide"
+    elif case == "bad_config_key":
+        cfg = tmp_path / "c.json"
+        cfg.write_text(json.dumps({"chunk_sise": 5}))
+        args += ["--config", str(cfg)]
+        want = "chunk_sise"
+    else:
+        args += ["--mode", "turbo"]
+        want = "unknown mode"
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and want in err, err
+    assert "Traceback" not in err
+
+
+def test_parse_slo():
+    assert parse_slo("ttft_p99=2s, tpot_p99=100ms") == {"ttft_p99": 2.0, "tpot_p99": 0.1}
+    for bad in ["", "ttft=2s", "ttft_p99=-1s", "ttft_p99"]:
+        with pytest.raises(Exception):
+            parse_slo(bad)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def _decode_plan(lens: np.ndarray) -> StepPlan:
+    kd = lens.shape[0]
+    z = np.zeros(0, dtype=np.int64)
+    e3 = np.zeros((0,) + lens.shape[1:], dtype=np.int64)
+    return StepPlan(1, np.arange(kd), np.arange(kd), lens.reshape(kd, -1).max(1), lens, z, z, z, z,
+                    np.zeros(0, bool), e3, e3, np.zeros((0, 1), np.int64), {"decode_rows": kd}, "static")
+
+
+def _cost(engine, profile, **kw):
+    sched_layout = KVLayout.build(LLAMA, engine, profile.B)
+    return CostModel(LLAMA, H100, engine, sched_layout, profile, calibration=None, **kw)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_static_split_slower_than_aot_on_skewed_lengths(batch):
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=int(np.random.default_rng().integers(99)))
+    aot = _cost(EngineConfig(mode="tangram"), prof)
+    static = _cost(EngineConfig(mode="tangram", decode_partition="static"), prof)
+    B = aot.layout.to_slots(prof.B)
+    lens = np.ceil(B[None] * 32768).astype(np.int64).repeat(batch, axis=0)
+    t_aot = aot._decode_attention(lens)[0]
+    t_static = static._decode_attention(lens)[0]
+    assert t_static > 1.02 * t_aot
+    # on uniform lengths the static split is no straggler case: within 25% of AOT
+    ulens = np.full_like(lens, int(B.mean() * 32768))
+    assert static._decode_attention(ulens)[0] < 1.25 * aot._decode_attention(ulens)[0]
+
+
+def test_runtime_partition_pays_host_planning():
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    rt = _cost(EngineConfig(mode="tangram", decode_partition="runtime"), prof)
+    lens = np.ceil(rt.layout.to_slots(prof.B)[None] * 8192).astype(np.int64).repeat(8, axis=0)
+    res = rt.execute(_decode_plan(lens))
+    assert res.breakdown["runtime_plan"] > 0 and "runtime_plan" in rt.sources
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 2**31 - 1), st.sampled_from(["aot", "static"]))
+def test_decode_time_respects_bandwidth_bounds(batch, seed, part):
+    rng = np.random.default_rng(seed)
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=seed % 97)
+    cm = _cost(EngineConfig(mode="tangram", decode_partition=part), prof)
+    lens = rng.integers(0, 20000, size=(batch, LLAMA.num_layers, LLAMA.num_kv_heads))
+    t, _ = cm._decode_attention(lens)
+    total_bytes = lens.sum() * cm.tok_head_bytes
+    assert t >= total_bytes / cm.dec_bw * (1 - 1e-9)
+    assert np.isfinite(t) and t > 0
+
+
+def _prefill_run(rho: float, seed: int) -> dict:
+    eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
+    prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)
+    turns = [_turn(f"s{i}", 0, 3000 + 500 * i, 4, arrival=0.01 * i) for i in range(6)]
+    spec = SimSpec(SMOL, H100, eng, prof, seed=seed, calibration=None)
+    summ, _ = simulate(Trace(turns), spec)
+    return summ
+
+
+def test_reclaim_cost_grows_with_eviction_rate():
+    seed = int(np.random.default_rng().integers(1000))
+    shares = [_prefill_run(rho, seed) for rho in (0.75, 0.5, 0.25)]
+    pages = [s["pages_reclaimed"] for s in shares]
+    cost = [s["time_by_operator_s"]["reclaim"] for s in shares]
+    assert pages[0] < pages[1] < pages[2], pages
+    assert cost[0] < cost[1] < cost[2], cost
+    assert all(s["completed"] == 6 for s in shares)
+
+
+def test_dynamic_realized_keep_bounded_and_seeded():
+    eng = EngineConfig(mode="dynamic", chunk_size=256, kv_pool_bytes=2**30)
+    prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, 0.25, model=SMOL.name)
+    outs = []
+    for _ in range(2):
+        s = Scheduler(SMOL, eng, prof, pool_bytes=2**30)
+        cm = CostModel(SMOL, H100, eng, s.layout, s.profile, calibration=None, seed=7)
+        s.add_request(0, "a", 700, 3)
+        plan = s.schedule()
+        res = cm.execute(plan)
+        assert res.realized_keep.shape == plan.prefill_keep.shape
+        assert np.all(res.realized_keep <= plan.prefill_keep) and np.all(res.realized_keep >= 1)
+        assert res.breakdown["reclaim"] > 0
+        outs.append(res.realized_keep)
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_roofline_fallback_labelled_and_tables_used(tmp_path):
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    eng = EngineConfig(mode="tangram")
+    roof = _cost(eng, prof)
+    assert all(v.startswith(("roofline", "measured", "default", "host")) for v in roof.sources.values()), roof.sources
+    assert "default: 2 CTAs per SM" in roof.sources["decode_attention"] and roof.n_cta == 2 * H100.num_sms
+    # a small measured table: GEMMs 3x slower than the roofline, decode at 1 TB/s, 3 CTAs per SM
+    d = tmp_path / "cal"
+    d.mkdir()
+    rows = []
+    for op, (n, k) in roof.gemm_shapes.items():
+        for tok in (1, 64, 1024, 8192):
+            rows.append(dict(op=op, tokens=tok, m=tok, n=n, k=k, median_ms=3e3 * max(
+                2 * tok * n * k / (H100.bf16_flops * 0.7), n * k * 2 / (H100.mem_bandwidth * 0.8))))
+    pd.DataFrame(rows).to_csv(d / "gemm.csv", index=False)
+    dec = [dict(kernel="tangram_aot", model=LLAMA.name, bytes=b, median_ms=1e3 * (5e-6 + b / 1e12)) for b in
+           (1e6, 1e7, 1e8, 1e9)]
+    pd.DataFrame(dec).to_csv(d / "decode_attention.csv", index=False)
+    (d / "meta.json").write_text(json.dumps({"ctas_per_sm": 3}))
+    tab = CostModel(LLAMA, H100, eng, roof.layout, prof, calibration=d)
+    assert tab.sources["gemm_qkv"].startswith("table:gemm.csv")
+    assert tab.sources["decode_attention"].startswith("table:decode_attention.csv")
+    assert tab.n_cta == 3 * H100.num_sms
+    assert tab.sources["prefill_attention"].startswith("roofline")
+    assert abs(tab.dec_bw / 1e12 - 1) < 1e-6
+    g_roof, _ = roof._dense(1024, 0)
+    g_tab, _ = tab._dense(1024, 0)
+    assert 2.5 < g_tab / g_roof < 3.5
+
+
+def test_bad_calibration_table_is_input_error(tmp_path):
+    from tangram.errors import InputError
+
+    d = tmp_path / "cal"
+    d.mkdir()
+    (d / "gemm.csv").write_text("op,tokens,n\nqkv,1,2\n")
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    eng = EngineConfig(mode="tangram")
+    with pytest.raises(InputError, match="gemm.csv"):
+        CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof, calibration=d)
+
+
+# --------------------------------------------------------------------------- harness and routers
+
+
+class FixedExecutor:
+    """A stand-in executor (the harness must not care what prices a step)."""
+
+    def __init__(self, dt=0.01):
+        self.dt = dt
+
+    def execute(self, plan):
+        return StepResult(plan.step, self.dt)
+
+
+def _replicas(n, engine=None):
+    eng = engine or EngineConfig(mode="full", chunk_size=256, max_batched_tokens=512)
+    return [(Scheduler(SMOL, eng, None, pool_bytes=256 * 2**20), FixedExecutor()) for _ in range(n)]
+
+
+def _sessions(n, turns=3, think=0.5, gap=0.05):
+    out = []
+    for i in range(n):
+        for k in range(turns):
+            out.append(_turn(f"s{i}", k, 100 + 10 * k, 5, arrival=gap * i, think=think))
+    return Trace(out)
+
+
+def test_round_robin_spreads_turns_and_migration_recomputes_history():
+    tr = _sessions(2, turns=3)
+    res = Cluster(tr, _replicas(2), "round-robin").run()
+    recs = {r.request_id: r for r in res.records}
+    assert all(r.status == "finished" for r in res.records)
+    seq = [r.replica for r in sorted(res.records, key=lambda r: r.arrival_s)]
+    assert seq[:2] == [0, 1]
+    assert set(seq) == {0, 1}
+    # a turn that lands on another replica than its previous turn prefills the whole history there
+    for sid in ("s0", "s1"):
+        for k in (1, 2):
+            cur, prev = recs[f"{sid}:{k}"], recs[f"{sid}:{k - 1}"]
+            hist = sum(t.new_tokens + t.output_tokens for t in tr.turns if t.session_id == sid and t.turn < k)
+            want = cur.new_tokens + (hist if cur.replica != prev.replica else 0)
+            assert cur.prefill_tokens == want
+
+
+def test_session_affinity_keeps_sessions_on_their_replica():
+    res = Cluster(_sessions(6, turns=3, gap=0.001), _replicas(3), "session-affinity").run()
+    by_sess = {}
+    for r in res.records:
+        by_sess.setdefault(r.session_id, set()).add(r.replica)
+        assert r.status == "finished" and r.prefill_tokens == r.new_tokens
+    assert all(len(v) == 1 for v in by_sess.values())
+    assert len({next(iter(v)) for v in by_sess.values()}) == 3  # first turns spread by outstanding work
+
+
+def test_least_outstanding_picks_the_idle_replica():
+    turns = [_turn("big", 0, 6_000, 50, arrival=0.0), _turn("x", 0, 100, 5, arrival=0.001),
+             _turn("y", 0, 100, 5, arrival=0.002)]
+    res = Cluster(Trace(turns), _replicas(2), "least-outstanding").run()
+    rep = {r.request_id: r.replica for r in res.records}
+    assert rep["big:0"] == 0 and rep["x:0"] == 1 and rep["y:0"] == 1
+
+
+def test_closed_loop_think_time_and_end_session():
+    tr = _sessions(1, turns=3, think=2.0)
+    reps = _replicas(1)
+    res = Cluster(tr, reps, "session-affinity").run()
+    r0, r1, r2 = sorted(res.records, key=lambda r: r.turn)
+    assert r1.arrival_s == pytest.approx(r0.finish_s + 2.0)
+    assert r2.arrival_s == pytest.approx(r1.finish_s + 2.0)
+    assert r0.ttft_s > 0 and r0.first_token_s <= r0.finish_s
+    sched = reps[0][0]
+    assert "s0" not in sched.sessions and sched.pool.n_used == 0  # KV released after the last turn
+
+
+def test_capacity_search_brackets_and_orders_slos(tmp_path):
+    rng = np.random.default_rng()
+    arr = np.cumsum(rng.exponential(0.05, 60))
+    tr = Trace([t for i in range(60) for t in (_turn(f"s{i}", 0, int(rng.integers(300, 1500)), int(rng.integers(8, 32)),
+                                                     arrival=float(arr[i])),
+                                               _turn(f"s{i}", 1, 64, 8, think=0.1))])
+    path = tmp_path / "t.jsonl"
+    save_trace(tr, path)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": "smollm2-135m", "kv_pool_bytes": 64 * 2**20, "heads_per_group": 1,
+                               "chunk_size": 512, "max_batched_tokens": 1024, "calibration": "none"}))
+    out = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "tangram", "--capacity",
+                   "--slo", "ttft_p99=5ms", "--target-rate", "100")
+    m = json.loads((out / "metrics.json").read_text())["tangram"]
+    assert m["max_rate_rps"] > 0 and m["replicas_needed"] == int(np.ceil(100 / m["max_rate_rps"] - 1e-9))
+    ok = [p for p in m["capacity_probes"] if p[2]]
+    bad = [p for p in m["capacity_probes"] if not p[2]]
+    assert ok and bad and max(p[0] for p in ok) == pytest.approx(m["max_rate_rps"], rel=1e-5)
+    assert m["completed"] == len(tr.turns)
+    assert all(p[1] <= 0.005 for p in ok) and all(p[1] > 0.005 for p in bad)
+    loose = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "tangram", "--capacity",
+                     "--slo", "ttft_p99=50ms", name="loose")
+    m2 = json.loads((loose / "metrics.json").read_text())["tangram"]
+    assert m2["max_rate_rps"] >= m["max_rate_rps"] * 0.999
+
+
+def test_realtime_harness_runs_against_the_wall_clock():
+    import time
+
+    tr = _sessions(1, turns=2, think=0.05)
+    t0 = time.perf_counter()
+    res = Cluster(tr, _replicas(1), "session-affinity", realtime=True, realtime_factor=1.0).run()
+    wall = time.perf_counter() - t0
+    assert all(r.status == "finished" for r in res.records)
+    assert wall >= 0.9 * res.end_s  # simulated seconds were real seconds
+
+
+def test_bundled_h100_tables_price_and_label_operators():
+    from tangram.sim.tables import calibration_dir_for
+
+    d = calibration_dir_for("h100-80gb")
+    if not (d / "decode_attention.csv").exists():
+        pytest.skip("no H100 calibration tables installed")
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    eng = EngineConfig(mode="tangram")
+    cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
+    assert cm.sources["decode_attention"].startswith("table:decode_attention.csv")
+    assert "fitted on" in cm.sources["decode_attention"] and cm.dec_bw > 1e12
+    assert cm.sources["gemm_qkv"] == "table:gemm.csv"
+    g1, _ = cm._dense(1, 1)
+    g2, _ = cm._dense(4096, 1)
+    assert 0 < g1 < g2

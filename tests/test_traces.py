@@ -1,0 +1,490 @@
+"""tangram.traces: format validation, CLI, generator, Mooncake importer, bundled traces."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tangram.errors import ConfigError, InputError
+from tangram.traces import (BANDS, Trace, Turn, default_trace_path, generate, import_mooncake, load_trace,
+                            long_multiturn_trace_path, save_trace)
+from tangram.traces.cli import main
+from tangram.traces.generate import Dist
+
+ROOT = Path(__file__).resolve().parents[1]
+MOONCAKE = ROOT / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+HSET = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _write(tmp_path: Path, lines, name="t.jsonl") -> Path:
+    p = tmp_path / name
+    if isinstance(lines, bytes):
+        p.write_bytes(lines)
+    else:
+        p.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return p
+
+
+def _run_cli(argv, capsys):
+    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+T0 = {"session_id": "a", "turn": 0, "arrival_s": 0.0, "new_tokens": 100, "output_tokens": 10}
+T1 = {"session_id": "a", "turn": 1, "think_time_s": 1.5, "new_tokens": 20, "output_tokens": 5}
+B0 = {"session_id": "b", "turn": 0, "arrival_s": 2.0, "new_tokens": 50, "output_tokens": 7}
+
+
+def _with(d, **kw):
+    d = dict(d)
+    for k, v in kw.items():
+        if v is _DROP:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+_DROP = object()
+
+# (lines, line number of the error, field or None, fragment of the message)
+MALFORMED = {
+    "bad_json": ([T0, '{"session_id": "a", "turn": 1,'], 2, None, "invalid JSON"),
+    "not_object": ([T0, "[1, 2]"], 2, None, "expected a JSON object"),
+    "missing_field": ([_with(T0, new_tokens=_DROP)], 1, "new_tokens", "missing required field"),
+    "missing_session": ([_with(T0, session_id=_DROP)], 1, "session_id", "missing required field"),
+    "negative_tokens": ([T0, _with(T1, output_tokens=-5)], 2, "output_tokens", "must be >= 1, got -5"),
+    "zero_new_tokens": ([_with(T0, new_tokens=0)], 1, "new_tokens", "must be >= 1, got 0"),
+    "float_tokens": ([_with(T0, new_tokens=3.5)], 1, "new_tokens", "expected an integer"),
+    "bool_tokens": ([_with(T0, output_tokens=True)], 1, "output_tokens", "expected an integer"),
+    "string_turn": ([_with(T0, turn="0")], 1, "turn", "expected an integer"),
+    "negative_turn": ([_with(T0, turn=-1)], 1, "turn", "must be >= 0"),
+    "int_session_id": ([_with(T0, session_id=5)], 1, "session_id", "expected a string"),
+    "empty_session_id": ([_with(T0, session_id="")], 1, "session_id", "non-empty"),
+    "gap": ([T0, B0, _with(T1, turn=2)], 3, "turn", "expected turn 1"),
+    "later_before_earlier": ([T0, B0, _with(T1, turn=2), T1], 3, "turn", "out of order"),
+    "duplicate_turn": ([T0, T1, T1], 3, "turn", "duplicate turn 1 of session 'a' (already at line 2)"),
+    "starts_at_turn_1": ([B0, T1], 2, "turn", "starts with turn 1"),
+    "arrival_missing_turn0": ([_with(T0, arrival_s=_DROP)], 1, "arrival_s", "required on turn 0"),
+    "arrival_on_later_turn": ([T0, _with(T1, arrival_s=3.0)], 2, "arrival_s", "only allowed on turn 0"),
+    "negative_arrival": ([_with(T0, arrival_s=-1)], 1, "arrival_s", "must be >= 0"),
+    "nan_arrival": (['{"session_id": "a", "turn": 0, "arrival_s": NaN, "new_tokens": 1, "output_tokens": 1}'],
+                    1, None, "NaN is not valid JSON"),
+    "overflow_think": ([T0, '{"session_id": "a", "turn": 1, "think_time_s": 1e999, "new_tokens": 1, "output_tokens": 1}'],
+                       2, None, "1e999 overflows a float"),
+    "infinity_in_meta": ([_with(T0, x_note="ok"), '{"session_id": "b", "turn": 0, "arrival_s": 0, "x_w": -Infinity, '
+                          '"new_tokens": 1, "output_tokens": 1}'], 2, None, "-Infinity is not valid JSON"),
+    "string_arrival": ([_with(T0, arrival_s="0")], 1, "arrival_s", "expected a number"),
+    "negative_think": ([T0, _with(T1, think_time_s=-0.1)], 2, "think_time_s", "must be >= 0"),
+    "think_on_turn0": ([_with(T0, think_time_s=2.0)], 1, "think_time_s", "must be 0 or absent on turn 0"),
+    "unknown_field_typo": ([T0, _with(T1, new_token=3)], 2, "new_token", "did you mean 'new_tokens'"),
+    "unknown_field": ([_with(T0, priority=1)], 1, "priority", "unknown field"),
+    "shared_too_big": ([_with(T0, shared_context_tokens=101)], 1, "shared_context_tokens", "exceeds new_tokens"),
+    "shared_on_later_turn": ([T0, _with(T1, shared_context_tokens=3)], 2, "shared_context_tokens",
+                             "only allowed on turn 0"),
+    "duplicate_request_id": ([_with(T0, request_id="r"), _with(B0, request_id="r")], 2, "request_id",
+                             "duplicate request_id 'r' (already at line 1)"),
+    "default_request_id_clash": ([T0, _with(B0, request_id="a:0")], 2, "request_id", "duplicate request_id"),
+    "text_not_string": ([_with(T0, text=3)], 1, "text", "expected a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_line_is_located(tmp_path, capsys, case):
+    lines, line, fld, frag = MALFORMED[case]
+    p = _write(tmp_path, lines)
+    with pytest.raises(InputError) as e:
+        load_trace(p)
+    assert (e.value.line, e.value.field) == (line, fld)
+    assert frag in e.value.message
+    rc, out, err = _run_cli(["check", str(p)], capsys)
+    assert rc == 2 and out == ""
+    prefix = f"error: {p}:{line}: " + (f"{fld}: " if fld else "")
+    assert err.startswith(prefix), err
+    assert frag in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n"])
+def test_empty_file(tmp_path, capsys, content):
+    p = _write(tmp_path, content)
+    rc, out, err = _run_cli(["check", str(p)], capsys)
+    assert rc == 2 and err == f"error: {p}: empty trace: no turns (expected one JSON object per line)\n"
+
+
+def test_bom_is_tolerated(tmp_path):
+    p = _write(tmp_path, b"\xef\xbb\xbf" + json.dumps(T0).encode() + b"\r\n" + json.dumps(T1).encode() + b"\r\n")
+    assert [t.request_id for t in load_trace(p)] == ["a:0", "a:1"]
+
+
+def test_non_utf8_and_missing_file(tmp_path, capsys):
+    p = _write(tmp_path, json.dumps(T0).encode() + b"\n\xff\xfe\n")
+    rc, _, err = _run_cli(["check", str(p)], capsys)
+    assert rc == 2 and err.startswith(f"error: {p}:2: not UTF-8")
+    rc, _, err = _run_cli(["check", str(tmp_path / "nope.jsonl")], capsys)
+    assert rc == 2 and "nope.jsonl: cannot read trace" in err and err.count("\n") == 1
+
+
+def test_subprocess_cli_error_and_ok(tmp_path):
+    bad = _write(tmp_path, [T0, _with(T1, output_tokens=0)], "bad.jsonl")
+    r = subprocess.run([sys.executable, "-m", "tangram.traces.cli", "check", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"error: {bad}:2: output_tokens: must be >= 1, got 0\n"
+    good = _write(tmp_path, [T0, B0, T1], "good.jsonl")
+    r = subprocess.run([sys.executable, "-m", "tangram.traces.cli", "check", str(good)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout == f"{good}: OK: 3 turns in 2 sessions, 170 new + 22 output tokens, max context 135 tokens\n"
+
+
+def test_valid_file_parsing_and_helpers(tmp_path):
+    lines = [_with(T0, x_user="u1", text="héllo", shared_context_tokens=80), "", B0,
+             _with(T1, request_id="custom"), {"session_id": "c", "turn": 0, "arrival_s": 1, "new_tokens": 1,
+                                              "output_tokens": 1}]
+    t = load_trace(_write(tmp_path, lines))
+    assert len(t) == 4 and t.num_sessions == 3
+    a0, b0, a1, c0 = t.turns
+    assert (a0.line, b0.line, a1.line, c0.line) == (1, 3, 4, 5)
+    assert a0.meta == {"x_user": "u1"} and a0.text == "héllo" and a0.shared_context_tokens == 80
+    assert a0.request_id == "a:0" and a1.request_id == "custom"
+    assert a1.arrival_s is None and a1.think_time_s == 1.5 and b0.think_time_s == 0.0
+    assert list(t.sessions()) == ["a", "b", "c"] and [x.turn for x in t.sessions()["a"]] == [0, 1]
+    assert [x.session_id for x in t.first_turns()] == ["a", "c", "b"]  # by arrival 0, 1, 2
+    s = t.scaled(4.0)
+    assert [x.arrival_s for x in s.first_turns()] == [0.0, 0.25, 0.5]
+    assert [x.think_time_s for x in s.turns] == [x.think_time_s for x in t.turns]
+    h = t.head(2)
+    assert [x.request_id for x in h.turns] == ["a:0", "custom", "c:0"]
+    assert t.head(0).turns == [] and len(t.head(10)) == 4
+    with pytest.raises(ConfigError):
+        t.scaled(0)
+    with pytest.raises(ConfigError):
+        t.head(-1)
+    df = t.to_frame()
+    assert df["context_before"].tolist() == [0, 0, 110, 0]
+    assert df["context_after"].tolist() == [110, 57, 135, 2]
+
+
+def test_round_trip_bytes(tmp_path):
+    t = generate(12, "mixed", seed=3)
+    p1, p2 = tmp_path / "1.jsonl", tmp_path / "2.jsonl"
+    save_trace(t, p1)
+    back = load_trace(p1)
+    assert back.turns == t.turns  # line numbers are not compared
+    save_trace(back, p2)
+    assert p1.read_bytes() == p2.read_bytes()
+
+
+_ident = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=8)
+
+
+@st.composite
+def _traces(draw):
+    n_sess = draw(st.integers(1, 5))
+    turns, order = [], []
+    for s in range(n_sess):
+        k = draw(st.integers(1, 4))
+        for j in range(k):
+            order.append((s, j))
+    # interleave sessions while keeping each session's turns in order
+    keys = draw(st.lists(st.floats(0, 1), min_size=len(order), max_size=len(order)))
+    by_s: dict[int, list] = {}
+    for (s, j), key in zip(order, keys):
+        by_s.setdefault(s, []).append(key)
+    seq = sorted(((sorted(by_s[s])[j], s, j) for s, j in order))
+    sids = [f"{draw(_ident)}#{s}" for s in range(n_sess)]
+    for _, s, j in seq:
+        new = draw(st.integers(1, 10**6))
+        turns.append(Turn(
+            request_id=draw(st.one_of(st.just(f"{sids[s]}:{j}"), _ident.map(lambda x, s=s, j=j: f"{x}/{s}/{j}"))),
+            session_id=sids[s], turn=j,
+            arrival_s=draw(st.floats(0, 1e6, allow_nan=False)) if j == 0 else None,
+            think_time_s=0.0 if j == 0 else draw(st.floats(0, 1e4, allow_nan=False)),
+            new_tokens=new, output_tokens=draw(st.integers(1, 10**5)),
+            shared_context_tokens=draw(st.integers(0, new)) if j == 0 else 0,
+            text=draw(st.one_of(st.none(), st.text(max_size=20))),
+            meta=draw(st.dictionaries(_ident.map(lambda x: "x_" + x), st.one_of(st.integers(), st.text(max_size=5)),
+                                      max_size=2))))
+    return Trace(turns, "hyp")
+
+
+@HSET
+@given(_traces())
+def test_round_trip_property(tmp_path, trace):
+    p = tmp_path / "rt.jsonl"
+    save_trace(trace, p)
+    back = load_trace(p)
+    assert back.turns == trace.turns
+    assert [t.line for t in back.turns] == list(range(1, len(trace) + 1))
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2), st.text(max_size=3),
+                   st.lists(st.integers(), max_size=2))
+_line = st.one_of(
+    st.dictionaries(st.sampled_from(["session_id", "turn", "arrival_s", "think_time_s", "new_tokens",
+                                     "output_tokens", "shared_context_tokens", "text", "request_id", "x_m", "bogus"]),
+                    st.one_of(_values, st.sampled_from(["a", "b"])), max_size=9).map(json.dumps),
+    st.binary(max_size=12).map(lambda b: b.decode("latin-1")))
+
+
+@HSET
+@given(st.lists(_line, max_size=6))
+def test_fuzzed_files_load_or_fail_cleanly(tmp_path, lines):
+    p = tmp_path / "fuzz.jsonl"
+    p.write_bytes("".join(l.replace("\n", " ") + "\n" for l in lines).encode("utf-8", "surrogateescape"))
+    try:
+        t = load_trace(p)
+    except InputError as e:
+        assert str(e).startswith(str(p)) and "\n" not in str(e)
+        assert e.line is None or 1 <= e.line <= len(lines)
+    else:
+        t.validate()
+
+
+def test_save_refuses_invalid_trace(tmp_path):
+    bad = Trace([Turn("x:1", "x", 1, None, 0.0, 5, 5)], "mem")
+    with pytest.raises(InputError, match=r":1: turn: session 'x' starts with turn 1"):
+        save_trace(bad, tmp_path / "bad.jsonl")
+    assert not (tmp_path / "bad.jsonl").exists()
+    with pytest.raises(InputError, match="cannot write trace"):
+        save_trace(generate(1, "short", 0), tmp_path / "no_such_dir" / "t.jsonl")
+
+
+# --------------------------------------------------------------------------- generator
+
+
+def test_generator_cli_deterministic(tmp_path, capsys):
+    args = ["gen", "--sessions", "20", "--category", "mixed", "--seed", "11", "--arrival", "bursty"]
+    for name in ("a", "b"):
+        rc, out, _ = _run_cli(args + ["-o", str(tmp_path / f"{name}.jsonl")], capsys)
+        assert rc == 0 and "20 sessions" in out
+    rc, _, _ = _run_cli(args[:6] + ["12"] + args[7:] + ["-o", str(tmp_path / "c.jsonl")], capsys)
+    assert rc == 0
+    a, b, c = ((tmp_path / f"{n}.jsonl").read_bytes() for n in "abc")
+    assert a == b and a != c
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["short", "mid", "long", "mixed"]), st.integers(1, 30),
+       st.sampled_from(["uniform:1:3", "uniform:2:6", "const:8", "uniform:1:20"]))
+def test_generator_bounds(seed, category, n, turns):
+    t = generate(n, category, seed, turns=turns)
+    t.validate()
+    df = t.to_frame()
+    final = df.groupby("session_id")["context_after"].max()
+    cats = {x.session_id: x.meta["x_category"] for x in t.turns if x.turn == 0}
+    assert t.num_sessions == n and set(cats) == set(final.index)
+    for sid, ctx in final.items():
+        c = cats[sid]
+        assert category in (c, "mixed")
+        lo, hi = BANDS[c]
+        assert lo <= ctx <= hi
+    lo_k, hi_k = Dist.parse(turns, "t").a, max(Dist.parse(turns, "t").a, Dist.parse(turns, "t").b)
+    k = df.groupby("session_id").size()
+    assert k.min() >= lo_k and k.max() <= hi_k
+    first, later = df[df.turn == 0], df[df.turn > 0]
+    assert (first.shared_context_tokens < first.new_tokens).all() and (first.shared_context_tokens > 0).all()
+    assert (later.new_tokens <= 500).all() and (df.output_tokens <= 1024).all() and (df.output_tokens >= 1).all()
+    arr = first.arrival_s.to_numpy()
+    assert arr[0] == 0.0 and np.all(np.diff(arr) >= 0)
+
+
+def test_arrival_processes():
+    def gaps(arrival):
+        t = generate(3000, "short", seed=5, arrival=arrival, rate=2.0, turns="const:1", burst_cv=3.0)
+        return np.diff([x.arrival_s for x in t.first_turns()])
+    p, b = gaps("poisson"), gaps("bursty")
+    assert abs(p.mean() - 0.5) < 0.05 and abs(b.mean() - 0.5) < 0.15
+    assert 0.9 < p.std() / p.mean() < 1.1
+    assert b.std() / b.mean() > 2.0
+
+
+@pytest.mark.parametrize("argv,frag", [
+    (["gen", "--sessions", "3", "--category", "mid", "--seed", "1", "-o", "X", "--turns", "poisson:3"],
+     "turns: unknown distribution 'poisson'"),
+    (["gen", "--sessions", "3", "--category", "mid", "--seed", "1", "-o", "X", "--turns", "uniform:5:2"],
+     "uniform needs LO <= HI"),
+    (["gen", "--sessions", "3", "--category", "short", "--seed", "1", "-o", "X", "--turns", "const:5000"],
+     "leaves no room"),
+    (["gen", "--sessions", "3", "--category", "mid", "--seed", "1", "-o", "X", "--arrival", "bursty",
+      "--burst-cv", "0.5"], "burst_cv must be > 1"),
+    (["gen", "--sessions", "0", "--category", "mid", "--seed", "1", "-o", "X"], "integer >= 1"),
+    (["gen", "--sessions", "3", "--category", "huge", "--seed", "1", "-o", "X"], "invalid choice"),
+    (["gen", "--sessions", "3", "--category", "mid", "-o", "X"], "--seed"),
+    (["gen", "--sessions", "3", "--category", "mixed", "--seed", "1", "-o", "X", "--mix", "1:2"], "--mix"),
+    (["frobnicate"], "invalid choice"),
+    (["import", "sharegpt", "a", "-o", "b"], "invalid choice"),
+])
+def test_cli_usage_errors(tmp_path, capsys, argv, frag):
+    argv = [str(tmp_path / "x.jsonl") if a == "X" else a for a in argv]
+    rc, out, err = _run_cli(argv, capsys)
+    assert rc == 2 and frag in err and err.startswith("error: ") and err.count("\n") == 1
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_stats_table_and_json(tmp_path, capsys):
+    p = _write(tmp_path, [T0, B0, T1])
+    rc, out, _ = _run_cli(["stats", str(p), "--json"], capsys)
+    s = json.loads(out)
+    assert rc == 0 and s["sessions"] == 2 and s["turns"] == 3
+    assert s["distributions"]["turns_per_session"]["max"] == 2.0
+    assert s["distributions"]["final_context_tokens"] == {"count": 2, "mean": 96.0, "min": 57.0, "p50": 96.0,
+                                                          "p90": 127.2, "max": 135.0}
+    assert s["categories"] == {"short": 2, "mid": 0, "long": 0} and s["total_new_tokens"] == 170
+    rc, out, _ = _run_cli(["stats", str(p)], capsys)
+    assert rc == 0 and "final_context_tokens" in out and "sessions=2" in out
+
+
+# --------------------------------------------------------------------------- bundled traces
+
+
+DEFAULT_GEN = ["gen", "--sessions", "48", "--category", "mixed", "--seed", "2024"]
+LONG_GEN = ["gen", "--sessions", "200", "--category", "mixed", "--mix", "0:1:2", "--turns", "uniform:2:8",
+            "--rate", "0.5", "--seed", "2025"]
+
+
+@pytest.mark.parametrize("argv,path", [(DEFAULT_GEN, default_trace_path()), (LONG_GEN, long_multiturn_trace_path())])
+def test_bundled_traces_match_documented_command(tmp_path, capsys, argv, path):
+    rc, _, _ = _run_cli(argv + ["-o", str(tmp_path / "g.jsonl")], capsys)
+    assert rc == 0 and path.read_bytes() == (tmp_path / "g.jsonl").read_bytes()
+    assert " ".join(argv) in (ROOT / "docs" / "traces.md").read_text()
+
+
+def test_default_trace_is_kv_bound():
+    from tangram.config import GPUS, MODELS
+
+    t = load_trace(default_trace_path())
+    df = t.to_frame()
+    final = df.groupby("session_id")["context_after"].max()
+    k = df.groupby("session_id").size()
+    assert t.num_sessions == 48 and k.min() >= 2 and k.max() <= 6
+    assert (final >= 20_000).mean() >= 0.75  # mostly Mid/Long
+    kv = MODELS["llama-3.1-8b"].kv_bytes_per_token()
+    # full KV of all sessions is many times what an 80 GB GPU can hold next to the 16 GB of weights
+    assert final.sum() * kv > 4 * GPUS["h100-80gb"].memory_bytes
+    assert df.new_tokens.sum() + df.output_tokens.sum() < 5_000_000  # moderate for the simulator
+
+
+# --------------------------------------------------------------------------- Mooncake importer
+
+
+def _mc(ts, i, o, h):
+    return {"timestamp": ts, "input_length": i, "output_length": o, "hash_ids": h}
+
+
+def test_mooncake_hand_made(tmp_path, capsys):
+    reqs = [_mc(0, 1000, 10, [1, 2]),  # s0 turn 0
+            _mc(100, 600, 5, [3, 4]),  # s1 turn 0
+            _mc(1000, 1100, 20, [1, 2, 5]),  # s0 turn 1: new = 1100 - (1000 + 10) = 90
+            _mc(1500, 1200, 7, [1, 2, 5, 6]),  # s0 turn 2: new = 1200 - 1120 = 80
+            _mc(2000, 700, 3, [3, 9]),  # s1 turn 1 (shares block 3): new = 700 - 605 = 95
+            _mc(3000, 300, 2, [8]),  # s2 turn 0
+            _mc(3000, 1000, 1, [3, 4]),  # s1 turn 2: after s1's latest (t=2000), new = 1000 - 703 = 297
+            _mc(2500, 900, 4, [1, 7])]  # (listed late, sorted by time) s0 turn 3: 900 - 1207 < 1 -> 900 - 512
+    p = _write(tmp_path, reqs, "mc.jsonl")
+    t = import_mooncake(p)
+    got = [(x.session_id, x.turn, x.arrival_s, x.think_time_s, x.new_tokens, x.output_tokens, x.meta["x_line"])
+           for x in t.turns]
+    assert got == [("mc0", 0, 0.0, 0.0, 1000, 10, 1), ("mc1", 0, 0.1, 0.0, 600, 5, 2),
+                   ("mc0", 1, None, 1.0, 90, 20, 3), ("mc0", 2, None, 0.5, 80, 7, 4),
+                   ("mc1", 1, None, 1.9, 95, 3, 5), ("mc0", 3, None, 1.0, 388, 4, 8),
+                   ("mc2", 0, 3.0, 0.0, 300, 2, 6), ("mc1", 2, None, 1.0, 297, 1, 7)]
+    out = tmp_path / "out.jsonl"
+    rc, stdout, _ = _run_cli(["import", "mooncake", str(p), "-o", str(out)], capsys)
+    assert rc == 0 and "8 turns in 3 sessions (5 continuations)" in stdout
+    assert load_trace(out).turns == t.turns
+
+
+@pytest.mark.parametrize("line,field,frag", [
+    ({"timestamp": 0, "input_length": 5, "output_length": 1}, "hash_ids", "missing required field"),
+    (_mc(-1, 5, 1, [1]), "timestamp", "expected milliseconds >= 0"),
+    (_mc(0, 0, 1, [1]), "input_length", "expected an integer >= 1"),
+    (_mc(0, 5, 1.5, [1]), "output_length", "expected an integer >= 1"),
+    (_mc(0, 5, 1, [1, "a"]), "hash_ids", "list of integer block ids"),
+])
+def test_mooncake_bad_input(tmp_path, capsys, line, field, frag):
+    p = _write(tmp_path, [_mc(0, 5, 1, [1]), line], "mc.jsonl")
+    rc, _, err = _run_cli(["import", "mooncake", str(p), "-o", str(tmp_path / "o.jsonl")], capsys)
+    assert rc == 2 and err.startswith(f"error: {p}:2: {field}: ") and frag in err
+
+
+def _brute_force_sessions(reqs):
+    """O(n^2) reference: longest shared block prefix with any earlier request, most recent on ties."""
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i]["timestamp"])
+    sess, last, turns, new = {}, {}, {}, {}
+    for pos, i in enumerate(order):
+        h = reqs[i]["hash_ids"]
+        best, best_j = 0, None
+        for j in order[:pos]:
+            g, n = reqs[j]["hash_ids"], 0
+            while n < min(len(g), len(h)) and g[n] == h[n]:
+                n += 1
+            if n >= best and n > 0:
+                best, best_j = n, j
+        if best_j is None:
+            sess[i], turns[i], new[i] = len(last), 0, reqs[i]["input_length"]
+        else:
+            s = sess[best_j]
+            prev = reqs[last[s]]
+            sess[i], turns[i] = s, turns[last[s]] + 1
+            d = reqs[i]["input_length"] - prev["input_length"] - prev["output_length"]
+            new[i] = d if d >= 1 else max(1, reqs[i]["input_length"] - 512 * best)
+        last[sess[i]] = i
+    return [(f"mc{sess[i]}", turns[i], new[i]) for i in order]
+
+
+@HSET
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(1, 3000), st.integers(1, 50),
+                          st.lists(st.integers(0, 3), max_size=4)), min_size=1, max_size=25))
+def test_mooncake_matches_brute_force(tmp_path, rows):
+    reqs = [_mc(ts, i, o, h) for ts, i, o, h in rows]
+    p = _write(tmp_path, reqs, "mc.jsonl")
+    t = import_mooncake(p)
+    assert [(x.session_id, x.turn, x.new_tokens) for x in t.turns] == _brute_force_sessions(reqs)
+    assert all(x.think_time_s >= 0 for x in t.turns)
+
+
+@pytest.fixture(scope="module")
+def real_mooncake():
+    if not MOONCAKE.is_file():
+        pytest.skip(f"real Mooncake trace not found at {MOONCAKE} (expected ../shared/traces/ next to the project)")
+    return MOONCAKE
+
+
+def test_mooncake_real_file(real_mooncake, tmp_path):
+    t0 = time.perf_counter()
+    t = import_mooncake(real_mooncake)
+    elapsed = time.perf_counter() - t0
+    reqs = [json.loads(l) for l in real_mooncake.read_text().splitlines() if l.strip()]
+    assert len(t) == len(reqs) == 3993
+    # independent count: every shared prefix starts with a shared first block, so a request continues a
+    # conversation iff its first block id appeared first in an earlier request (the file is time-sorted)
+    seen, firsts_new = set(), 0
+    for r in reqs:
+        firsts_new += r["hash_ids"][0] not in seen
+        seen.add(r["hash_ids"][0])
+    continuations = sum(x.turn > 0 for x in t.turns)
+    assert t.num_sessions == firsts_new and continuations == len(reqs) - firsts_new
+    assert 1600 <= continuations <= 1900  # README: "about 1,750"
+    # request order within a session follows time, and session membership = first block id
+    sess_first_block = {}
+    for x in t.turns:
+        b = reqs[x.meta["x_line"] - 1]["hash_ids"][0]
+        assert sess_first_block.setdefault(x.session_id, b) == b
+    assert len(set(sess_first_block.values())) == t.num_sessions
+    # brute force on the first 400 requests (a time-sorted prefix is self-contained)
+    sub = reqs[:400]
+    assert [(x.session_id, x.turn, x.new_tokens) for x in t.turns[:400]] == _brute_force_sessions(sub)
+    assert all(x.new_tokens >= 1 and x.think_time_s >= 0 for x in t.turns)
+    assert elapsed < 1.0, f"import took {elapsed:.2f}s"
+    save_trace(t, tmp_path / "mc.jsonl")
+    assert load_trace(tmp_path / "mc.jsonl").turns == t.turns

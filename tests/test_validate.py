@@ -1,0 +1,49 @@
+"""tangram-validate on the CPU: SmolLM2 GGUF, two configs, a two-request trace; the table and tau are written."""
+import json
+
+import pandas as pd
+import pytest
+
+from tangram.tuning.validate import main, rel_err, term_table
+
+
+def test_rel_err_and_terms():
+    assert rel_err(1.1, 1.0) == pytest.approx(0.1)
+    assert rel_err(1.0, 0) is None
+    rows = term_table({"gemm": 1.0, "elementwise": 0.5, "decode_attention": 2.0},
+                      {"dense": 1.0, "lm_head_sampling": 0.2, "kv_write": 0.3, "decode_attention": 1.0})
+    d = {r["term"]: r for r in rows}
+    assert d["dense (gemm + elementwise)"]["rel_err"] == pytest.approx(0.0)
+    assert d["decode_attention"]["rel_err"] == pytest.approx(1.0)
+
+
+def test_validate_cli_cpu(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"session_id": "a", "turn": 0, "arrival_s": 0.0, "new_tokens": 24, "output_tokens": 3}\n'
+                     '{"session_id": "b", "turn": 0, "arrival_s": 0.1, "new_tokens": 17, "output_tokens": 2}\n')
+    cfgs = []
+    for name, mode in (("a", "tangram"), ("b", "full")):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"model": "smollm2-135m", "gpu": "h100", "mode": mode, "heads_per_group": 3,
+                                 "chunk_size": 16, "kv_pool_bytes": 8 * 2**20}))
+        cfgs.append(str(p))
+    out = tmp_path / "v"
+    with pytest.raises(SystemExit) as e:
+        main(cfgs + ["--trace", str(trace), "--weights", "auto", "--out", str(out)])
+    assert e.value.code == 0
+    df = pd.read_csv(out / "validation.csv")
+    assert list(df["config"]) == ["a", "b"] and df["leak_ok"].all()
+    assert (df["throughput_rps_meas"] > 0).all() and (df["throughput_rps_pred"] > 0).all()
+    s = json.loads((out / "validation.json").read_text())
+    assert s["kendall_tau_throughput"] is not None
+    assert "Kendall tau" in (out / "report.md").read_text()
+
+
+def test_validate_bad_config_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        main([str(bad), "--trace", str(tmp_path / "none.jsonl")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1

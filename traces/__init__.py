@@ -1,0 +1,28 @@
+"""tangram.traces: multi-turn session traces (format, loader, generator, Mooncake importer).
+
+The format is documented in docs/traces.md; ``tangram-trace`` (cli.py) checks,
+generates, imports and summarises trace files.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .format import Trace, Turn, load_trace, save_trace
+from .generate import BANDS, CATEGORIES, Dist, category_of, generate
+from .mooncake import import_mooncake
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def default_trace_path() -> Path:
+    """The bundled default trace: 48 long-context multi-turn sessions (mostly Mid/Long)."""
+    return DATA_DIR / "default.jsonl"
+
+
+def long_multiturn_trace_path() -> Path:
+    """The bundled 200-session long-context trace used for the simulator's capacity experiments."""
+    return DATA_DIR / "long_multiturn.jsonl"
+
+
+__all__ = ["Trace", "Turn", "load_trace", "save_trace", "generate", "import_mooncake", "Dist", "BANDS",
+           "CATEGORIES", "category_of", "default_trace_path", "long_multiturn_trace_path", "DATA_DIR"]

@@ -1,0 +1,184 @@
+"""``tangram-tune``: search H_p, alpha, the split map and batching knobs on the simulator with Optuna.
+
+Trials run the simulator's capacity search (sustained load under the SLO) and
+price each alpha's fidelity by the overflow rate of its static budgets; see
+docs/tuning.md. The study lives in an RDB storage (SQLite file by default, any
+SQLAlchemy URL such as postgresql://...), so it survives a crash and resumes,
+and several worker processes can share it.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tangram.errors import ConfigError, cli_errors
+
+DEFAULT_SLO = "ttft_p99=60s,tpot_p99=0.5s"
+DEFAULT_BOUND = 0.05
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        print(f"error: {message} (see tangram-tune --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tangram-tune", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", nargs="?", help="multi-turn JSONL trace (default: the bundled default trace)")
+    p.add_argument("--trials", type=int, default=40, help="completed trials the study should hold (default 40)")
+    p.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUT/study.db)")
+    p.add_argument("--study", default="tangram-tune", help="study name inside the storage")
+    p.add_argument("--out", default="tangram-tune-out", help="output folder")
+    p.add_argument("--n-jobs", type=int, default=1, help="worker processes sharing the study (default 1)")
+    p.add_argument("--worker-index", type=int,
+                   help="index of this worker when several are started by hand on one storage (distinct sampler "
+                        "seeds); --n-jobs sets it for the workers it spawns")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--gpu", default="h100-80gb")
+    p.add_argument("--profile", help="budget profile file (default: the simulator's synthetic profile for --seed)")
+    p.add_argument("--calibration", help="calibration tables folder, or 'none' (default: the simulator's choice)")
+    p.add_argument("--slo", default=DEFAULT_SLO, help=f"SLO of the capacity search (default '{DEFAULT_SLO}')")
+    p.add_argument("--objective", default="pareto", choices=["pareto", "constrained"],
+                   help="pareto: maximise load and minimise overflow; constrained: maximise load s.t. "
+                        "overflow <= --overflow-bound")
+    p.add_argument("--overflow-bound", type=float, default=DEFAULT_BOUND,
+                   help=f"largest acceptable overflow rate (default {DEFAULT_BOUND})")
+    p.add_argument("--sampler", default="tpe", choices=["tpe", "nsga2", "random"])
+    p.add_argument("--seed", type=int, default=0, help="simulator/profile seed and base sampler seed")
+    p.add_argument("--objective-fast", action="store_true",
+                   help="one simulation at --fast-rate-scale instead of a capacity search (tests, smoke runs)")
+    p.add_argument("--fast-rate-scale", type=float, default=1.0)
+    p.add_argument("--capacity-iters", type=int, default=5, help="bisection steps of the capacity search")
+    p.add_argument("--capacity-start", type=float, default=0.25, help="first arrival-rate scale probed")
+    p.add_argument("--heartbeat", type=int, default=5, help="trial heartbeat interval in s (0: off)")
+    p.add_argument("--grace", type=int, default=20, help="s without heartbeat before a RUNNING trial is failed")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-report", action="store_true", help="only run trials (what spawned workers do)")
+    return p
+
+
+def _build(args):
+    from tangram.budgets import BudgetProfile
+    from tangram.config import get_gpu, get_model
+    from tangram.sim.run import default_profile, parse_slo
+    from tangram.traces import default_trace_path, load_trace
+
+    from .objective import Evaluator
+    from .space import SearchSpace
+    from .study import Setup
+
+    if args.trials < 1:
+        raise ConfigError(f"--trials must be >= 1, got {args.trials}")
+    if args.n_jobs < 1:
+        raise ConfigError(f"--n-jobs must be >= 1, got {args.n_jobs}")
+    if not (0 <= args.overflow_bound <= 1):
+        raise ConfigError(f"--overflow-bound must be in [0, 1], got {args.overflow_bound}")
+    if args.fast_rate_scale <= 0 or args.capacity_start <= 0 or args.capacity_iters < 0:
+        raise ConfigError("--fast-rate-scale and --capacity-start must be > 0, --capacity-iters >= 0")
+    model, gpu = get_model(args.model), get_gpu(args.gpu)
+    trace_path = str(Path(args.trace).resolve()) if args.trace else str(default_trace_path())
+    trace = load_trace(trace_path)
+    slo = parse_slo(args.slo)
+    space = SearchSpace.for_model(model, fixed={"mode": "tangram"})
+    if args.profile:
+        profile = BudgetProfile.load(args.profile)
+        profile.check_model(model.num_layers, model.num_kv_heads, model.name)
+    else:
+        e = space.engine({})
+        profile = default_profile(model, e.rho, e.alpha, args.seed)
+    calibration = args.calibration or "auto"
+    if str(calibration).lower() == "none":
+        calibration = None
+    elif calibration != "auto" and not Path(calibration).is_dir():
+        raise ConfigError(f"--calibration: {calibration} is not a folder of calibration tables")
+    ev = Evaluator(model, gpu, space, profile, trace, slo, seed=args.seed, calibration=calibration,
+                   objective="fast" if args.objective_fast else "capacity", fast_rate_scale=args.fast_rate_scale,
+                   capacity_start=args.capacity_start, capacity_iters=args.capacity_iters)
+    setup = Setup(model.name, gpu.name, trace_path, args.slo, args.objective, float(args.overflow_bound), args.seed,
+                  bool(args.objective_fast), str(Path(args.profile).resolve()) if args.profile else None)
+    return ev, space, setup
+
+
+def _worker_argv(argv: list[str], i: int) -> list[str]:
+    """A spawned worker's command line: the parent's, as one job, no outputs, its own sampler seed."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--n-jobs", "--worker-index"):
+            skip = True
+            continue
+        if a.startswith(("--n-jobs=", "--worker-index=")):
+            continue
+        out.append(a)
+    return out + ["--n-jobs", "1", "--worker-index", str(i), "--no-report"]
+
+
+def run(args, argv: list[str]) -> int:
+    from tqdm import tqdm
+
+    from .study import make_sampler, make_storage, n_complete, open_study
+
+    ev, space, setup = _build(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    url = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
+    storage = make_storage(url, args.heartbeat or None, args.grace)
+    spawned = args.no_report and args.worker_index is not None
+    widx = args.worker_index or 0
+    # sampler seed: distinct per worker, and per resume (so a restarted worker does not replay the same draws)
+    probe = open_study(storage, args.study, setup, None, create=True)
+    sseed = args.seed * 1000 + widx + 97 * len(probe.trials)
+    study = open_study(storage, args.study, setup, make_sampler(args.sampler, setup.objective, sseed,
+                                                                setup.overflow_bound), create=False)
+    before = n_complete(study)
+    bar = tqdm(total=args.trials, initial=min(before, args.trials), desc=f"tangram-tune {args.study}", unit="trial",
+               file=sys.stderr, disable=True if spawned else None)
+    if args.n_jobs == 1:
+        from .study import run_worker
+
+        run_worker(study, ev, space, setup, args.trials, progress=lambda: bar.update(
+            max(0, min(n_complete(study), args.trials) - bar.n)))
+    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "tangram.tuning.cli", *_worker_argv(argv, i)])
+                 for i in range(args.n_jobs)]
+        try:
+            while any(p.poll() is None for p in procs):
+                time.sleep(1.0)
+                bar.update(max(0, min(n_complete(study), args.trials) - bar.n))
+        finally:
+            for p in procs:  # only our own children, by handle
+                if p.poll() is None:
+                    p.terminate()
+        bad = [p.returncode for p in procs if p.returncode]
+        if bad:
+            raise ConfigError(f"{len(bad)} of {args.n_jobs} workers failed (exit codes {bad}); "
+                              f"rerun the same command to resume the study")
+    bar.update(max(0, min(n_complete(study), args.trials) - bar.n))
+    bar.close()
+    if args.no_report:
+        return 0
+    from .study import fail_stale
+
+    fail_stale(study)
+    from .report import write_outputs
+
+    files = write_outputs(study, ev, space, setup, out, url, argv, plots=not args.no_plots)
+    print(f"{n_complete(study)} completed trials in study {args.study!r}; wrote " + ", ".join(files))
+    return 0
+
+
+@cli_errors
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    return run(args, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""What a trial measures: sustained load under the SLO (simulator) and a fidelity cost (calibration statistics).
+
+Fidelity cost (docs/tuning.md): draw ``n`` inputs' per-head retention ratios
+``r[n, L, H]`` from the profile as a global top-k method would realise them
+(``BudgetProfile.sample_retention``, fixed seed) and compare with the static
+budgets ``B(alpha) = min(1, mu + alpha * sigma)`` (eq. 5). A draw with
+``r > B`` overflows: the head needed more tokens than reserved. The cost is the
+overflow rate weighted by retained attention, with the retention ratio as the
+proxy for a head's retained attention mass:
+
+    overflow(alpha) = sum(r * [r > B]) / sum(r)
+
+Also reported: the unweighted rate ``mean([r > B])`` and the lost share
+``sum(max(0, r - B)) / sum(r)`` (the retained tokens the budget cut off).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tangram.budgets import BudgetProfile, budget_ratios
+from tangram.config import GPUConfig, ModelConfig
+
+from .space import SearchSpace
+
+
+class Fidelity:
+    """Overflow statistics of static budgets for any alpha, from one fixed set of retention draws."""
+
+    def __init__(self, profile: BudgetProfile, n: int = 256, seed: int = 0):
+        self.profile = profile
+        self.r = profile.sample_retention(np.random.default_rng(seed), n)  # [n, L, H]
+        self.total = float(self.r.sum())
+
+    def __call__(self, alpha: float) -> dict:
+        B = budget_ratios(self.profile.mu, self.profile.sigma, float(alpha))[None]
+        over = self.r > B
+        return {"overflow": float((self.r * over).sum() / self.total),
+                "overflow_unweighted": float(over.mean()),
+                "lost_share": float(np.maximum(self.r - B, 0.0).sum() / self.total)}
+
+
+@dataclass
+class Evaluator:
+    """Runs one trial's configuration through the simulator; pure function of (params, fixed inputs, seed)."""
+
+    model: ModelConfig
+    gpu: GPUConfig
+    space: SearchSpace
+    profile: BudgetProfile
+    trace: object
+    slo: dict
+    seed: int = 0
+    calibration: object = "auto"
+    objective: str = "capacity"  # "capacity": capacity search; "fast": one simulation at fast_rate_scale
+    fast_rate_scale: float = 1.0
+    capacity_start: float = 0.25
+    capacity_iters: int = 5
+    capacity_tol: float = 0.08
+    overflow_samples: int = 256
+    _fid: Fidelity | None = field(default=None, repr=False)
+
+    @property
+    def fidelity(self) -> Fidelity:
+        if self._fid is None:
+            self._fid = Fidelity(self.profile, self.overflow_samples, self.seed)
+        return self._fid
+
+    def spec(self, params: dict):
+        from tangram.sim.run import SimSpec
+
+        return SimSpec(self.model, self.gpu, self.space.engine(params), self.profile, 1, "session-affinity",
+                       self.seed, self.calibration)
+
+    def __call__(self, params: dict) -> dict:
+        from tangram.sim.run import capacity_search, meets_slo, offered_rps, simulate
+
+        spec = self.spec(params)
+        out = dict(self.fidelity(params["alpha"]))
+        mode = spec.engine.mode
+        if self.objective == "fast":
+            summ, _ = simulate(self.trace.scaled(self.fast_rate_scale), spec, mode, record_kv=False)
+            ok = meets_slo(summ, self.slo)
+            out.update(load_rps=float(summ["throughput_rps"]) if ok else 0.0, meets_slo=bool(ok),
+                       throughput_rps=float(summ["throughput_rps"]), ttft_p99_s=summ.get("ttft_p99_s"),
+                       tpot_p99_s=summ.get("tpot_p99_s"), sims=1)
+        else:
+            cap = capacity_search(self.trace, spec, mode, self.slo, iters=self.capacity_iters, tol=self.capacity_tol,
+                                  start=self.capacity_start)
+            out.update(load_rps=float(cap["max_rate_rps"]), max_rate_scale=float(cap["max_rate_scale"]),
+                       sims=len(cap["probes"]), bound=cap.get("bound"), offered_rps=offered_rps(self.trace))
+        for k, v in list(out.items()):
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k] = None
+        return out

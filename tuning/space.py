@@ -1,0 +1,83 @@
+"""The tuner's search space: which EngineConfig fields a trial may change, and how.
+
+One table (``SearchSpace``) drives the Optuna suggestions, the exhaustive grid
+of the search-efficiency benchmark and the validation of enqueued configs, so
+the sampler and the grid search exactly the same thing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tangram.config import EngineConfig, ModelConfig, divisors
+from tangram.errors import ConfigError
+
+# the paper's default operating point (H_p = 4, alpha = 2, every other field at EngineConfig's default)
+PAPER_DEFAULT = {"heads_per_group": 4, "alpha": 2.0}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Discrete choices per field; ``alpha`` is continuous on [alpha_lo, alpha_hi] unless ``alpha_step`` is set."""
+
+    heads_per_group: tuple[int, ...]
+    alpha_lo: float = 0.0
+    alpha_hi: float = 4.0
+    alpha_step: float | None = None
+    clustering: tuple[bool, ...] = (True, False)
+    n_cta_scale: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0)
+    split_rounding: tuple[str, ...] = ("round", "ceil")
+    page_size: tuple[int, ...] = (8, 16, 32, 64)
+    chunk_size: tuple[int, ...] = (512, 1024, 2048, 4096)
+    max_batched_tokens: tuple[int, ...] = (4096, 8192, 16384)
+    fixed: dict = field(default_factory=dict)  # EngineConfig fields every trial shares (mode, rho, ...)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, **kw) -> "SearchSpace":
+        return cls(heads_per_group=tuple(divisors(model.num_kv_heads)), **kw)
+
+    def suggest(self, trial) -> dict:
+        """Draw one configuration through an Optuna trial (categorical fields as categoricals)."""
+        p = {"heads_per_group": trial.suggest_categorical("heads_per_group", list(self.heads_per_group))}
+        p["alpha"] = trial.suggest_float("alpha", self.alpha_lo, self.alpha_hi, step=self.alpha_step)
+        for name in ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens"):
+            p[name] = trial.suggest_categorical(name, list(getattr(self, name)))
+        return p
+
+    def engine(self, params: dict) -> EngineConfig:
+        """The EngineConfig a parameter dict stands for (fixed fields first, then the trial's)."""
+        try:
+            return EngineConfig.from_dict({**self.fixed, **params})
+        except TypeError as e:
+            raise ConfigError(f"bad engine option: {e}") from None
+
+    def contains(self, params: dict) -> bool:
+        """Whether an enqueued configuration lies inside the space (Optuna would warn and re-sample otherwise)."""
+        for name in ("heads_per_group", "clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size",
+                     "max_batched_tokens"):
+            if params[name] not in getattr(self, name):
+                return False
+        a = float(params["alpha"])
+        if not (self.alpha_lo - 1e-12 <= a <= self.alpha_hi + 1e-12):
+            return False
+        if self.alpha_step:
+            k = (a - self.alpha_lo) / self.alpha_step
+            return abs(k - round(k)) < 1e-9
+        return True
+
+    def distributions(self) -> dict:
+        """Optuna distributions of the space (used to build a GridSampler over the same names)."""
+        import optuna.distributions as od
+
+        d = {"heads_per_group": od.CategoricalDistribution(list(self.heads_per_group)),
+             "alpha": od.FloatDistribution(self.alpha_lo, self.alpha_hi, step=self.alpha_step)}
+        for name in ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens"):
+            d[name] = od.CategoricalDistribution(list(getattr(self, name)))
+        return d
+
+
+def paper_default_params() -> dict:
+    """The paper's default configuration as a full trial parameter dict."""
+    e = EngineConfig()
+    return {"heads_per_group": PAPER_DEFAULT["heads_per_group"], "alpha": PAPER_DEFAULT["alpha"],
+            "clustering": e.clustering, "n_cta_scale": e.n_cta_scale, "split_rounding": e.split_rounding,
+            "page_size": e.page_size, "chunk_size": e.chunk_size, "max_batched_tokens": e.max_batched_tokens}

@@ -1,0 +1,182 @@
+"""``tangram-validate CONFIGS... --trace TRACE.jsonl``: the simulator's prediction against the engine's measurement.
+
+Each config is a ``tangram-sim --config`` JSON (EngineConfig fields plus model/gpu/profile/...). For each, the
+same trace runs through the simulator (``tangram.sim.run.simulate``) and through the engine (the
+``tangram-bench`` code path, per-operator CUDA-event times on); the report tabulates predicted vs measured
+throughput, TTFT and TPOT percentiles with relative errors ((predicted - measured) / measured), Kendall's tau
+of predicted vs measured throughput across configs, and, per cost-model term, predicted vs measured seconds
+so a >10% miss names the operator that is off.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tangram.errors import ConfigError, cli_errors
+
+METRICS = ["throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+# cost-model term -> the engine's measured operators that do the same work
+TERMS = {
+    "dense (gemm + elementwise)": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "kv_write")),
+    "decode_attention": (("decode_attention",), ("decode_attention",)),
+    "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
+    "compression": (("compression",), ("compression",)),
+    "host (scheduler, reclaim, runtime plan)": (("host", "reclaim", "runtime_plan"), ("host", "runtime_plan")),
+    "step overhead (launches, copies, sync)": ((), ("step_overhead",)),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"error: {message} (see tangram-validate --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser():
+    p = _Parser(prog="tangram-validate", description=__doc__.split("\n\n")[0])
+    p.add_argument("configs", nargs="+", help="config JSON files (the tangram-sim --config format)")
+    p.add_argument("--trace", required=True, help="multi-turn JSONL trace")
+    p.add_argument("--weights", default="random", help="random | PATH.gguf | HF dir | auto (default random)")
+    p.add_argument("--kv-pool-gib", type=float, help="cap the KV pool of every config (GiB)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dynamic-keep", default="auto", help="as tangram-bench")
+    p.add_argument("--no-time-ops", action="store_true", help="skip per-operator CUDA-event timing")
+    p.add_argument("--out", default="reports/validation")
+    return p
+
+
+def _bench_args(cfg_path: str, a) -> argparse.Namespace:
+    from tangram.engine.bench import _parser as bench_parser
+
+    argv = [a.trace, "--config", cfg_path, "--weights", a.weights, "--device", a.device, "--dtype", a.dtype,
+            "--dynamic-keep", a.dynamic_keep]
+    if a.kv_pool_gib is not None:
+        argv += ["--kv-pool-gib", str(a.kv_pool_gib)]
+    return bench_parser().parse_args(argv)
+
+
+def rel_err(pred, meas):
+    if pred is None or meas is None or not meas:
+        return None
+    return (pred - meas) / meas
+
+
+def term_table(pred_ops: dict, meas_ops: dict) -> list[dict]:
+    rows = []
+    for term, (sim_keys, eng_keys) in TERMS.items():
+        p = sum(pred_ops.get(k, 0.0) for k in sim_keys)
+        m = sum(meas_ops.get(k, 0.0) for k in eng_keys)
+        if p == 0 and m == 0:
+            continue
+        rows.append({"term": term, "predicted_s": p, "measured_s": m, "rel_err": rel_err(p, m)})
+    return rows
+
+
+def run(a) -> dict:
+    import pandas as pd
+    from scipy.stats import kendalltau
+
+    from tangram.engine.bench import _device_dtype, resolve
+    from tangram.engine.weights import load_model
+    from tangram.sim.run import simulate
+
+    device, dtype = _device_dtype(a.device, a.dtype)
+    model = info = None
+    rows, terms = [], {}
+    for path in a.configs:
+        r = resolve(_bench_args(path, a))
+        spec, trace, modes = r["spec"], r["trace"], r["modes"]
+        cfg = json.loads(Path(path).read_text())
+        mode = cfg.get("mode") or (modes[0] if len(modes) == 1 else spec.engine.mode)
+        if model is None:
+            model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
+            dyn = a.dynamic_keep if a.dynamic_keep != "auto" else \
+                ("profile" if info.get("source") == "random" else "topk")
+        elif model.cfg.name != spec.model.name:
+            raise ConfigError(f"{path}: model {spec.model.name} differs from the first config's {model.cfg.name}; "
+                              "validate one model per run")
+        from tangram.engine.bench import run_mode
+
+        pred, _ = simulate(trace, spec, mode)
+        meas, _, leak = run_mode(trace, spec, mode, model, device=device, seed=spec.seed,
+                                 time_ops=not a.no_time_ops, dynamic_keep=dyn)
+        name = Path(path).stem
+        row = {"config": name, "mode": mode, "H_p": spec.engine.heads_per_group, "alpha": spec.engine.alpha,
+               "leak_ok": leak["ok"]}
+        for k in METRICS:
+            row[f"{k}_pred"], row[f"{k}_meas"] = pred.get(k), meas.get(k)
+            row[f"{k}_relerr"] = rel_err(pred.get(k), meas.get(k))
+        rows.append(row)
+        terms[name] = term_table(pred.get("time_by_operator_s", {}), meas.get("time_by_operator_s", {}))
+        print(f"{name}: throughput predicted {row['throughput_rps_pred']:.4g} measured {row['throughput_rps_meas']:.4g} "
+              f"req/s ({100 * row['throughput_rps_relerr']:+.1f}%)", flush=True)
+    df = pd.DataFrame(rows)
+    tau = None
+    if len(rows) >= 2:
+        tau = float(kendalltau(df["throughput_rps_pred"], df["throughput_rps_meas"]).statistic)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "validation.csv", index=False)
+    tdf = pd.DataFrame([dict(config=c, **t) for c, ts in terms.items() for t in ts])
+    tdf.to_csv(out / "terms.csv", index=False)
+    summary = {"kendall_tau_throughput": tau, "rows": rows, "terms": terms, "trace": a.trace,
+               "device": str(device), "weights": info.get("source") if info else None, "dynamic_keep": dyn}
+    (out / "validation.json").write_text(json.dumps(summary, indent=1, default=float))
+    write_report(out, df, tdf, tau, a, summary)
+    print(f"Kendall tau (throughput) = {tau}")
+    print(f"wrote {out}/report.md, validation.csv, terms.csv, validation.json")
+    return summary
+
+
+def _fmt(x):
+    if x is None or (isinstance(x, float) and np.isnan(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+def write_report(out: Path, df, tdf, tau, a, summary) -> None:
+    lines = ["# tangram-validate: simulator vs engine", "",
+             "Command: `tangram-validate " + " ".join(getattr(a, "_argv", [])) + "`", "",
+             f"- trace: {a.trace}; device: {summary['device']}; weights: {summary['weights']}; "
+             f"dynamic keep: {summary['dynamic_keep']}",
+             "- relative error = (predicted - measured) / measured", ""]
+    cols = ["config", "mode", "H_p", "alpha"]
+    for k in METRICS:
+        cols += [f"{k}_pred", f"{k}_meas", f"{k}_relerr"]
+    lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for _, r in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    lines += ["", f"Kendall tau of predicted vs measured throughput: {_fmt(tau)}", ""]
+    if len(tdf):
+        lines += ["## Per cost-model term (seconds summed over the run)", "",
+                  "| config | term | predicted_s | measured_s | rel_err |", "|---|---|---|---|---|"]
+        for _, r in tdf.iterrows():
+            lines.append(f"| {r['config']} | {r['term']} | {_fmt(r['predicted_s'])} | {_fmt(r['measured_s'])} | "
+                         f"{_fmt(r['rel_err'])} |")
+        bad = df[df["throughput_rps_relerr"].abs() > 0.10] if "throughput_rps_relerr" in df else []
+        if len(bad):
+            worst = tdf.assign(gap=(tdf["predicted_s"] - tdf["measured_s"]).abs()).sort_values("gap", ascending=False)
+            w = worst.iloc[0]
+            lines += ["", f"Throughput error exceeds 10% on {len(bad)} config(s). The largest absolute gap is "
+                          f"`{w['term']}` in `{w['config']}`: predicted {w['predicted_s']:.3g} s vs measured "
+                          f"{w['measured_s']:.3g} s."]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+@cli_errors
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    a._argv = list(sys.argv[1:] if argv is None else argv)
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
