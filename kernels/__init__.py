@@ -5,8 +5,10 @@ Public API (see docs/kernels.md): :func:`paged_decode` (AOT split map),
 :func:`runtime_plan_schedules` (baseline b), :class:`AotSplitTable`,
 :func:`decode_n_cta`, :func:`prefill_compress` and its stages. Everything
 imports on a CPU-only machine; CPU tensors run the Triton interpreter under
-``TRITON_INTERPRET=1`` and the float64 references otherwise.
+``TRITON_INTERPRET=1`` and the float64 references otherwise (or inside
+:func:`cpu_reference`, which engine-level tests use to keep whole-model runs fast).
 """
+from tangram.kernels._triton import cpu_reference  # noqa: F401
 from tangram.kernels.decode import (  # noqa: F401
     AotSplitTable, DecodeConfig, DeviceLimits, KernelResources, LayerSchedule, aot_n_cta, batch_bucket,
     decode_n_cta, kernel_resources, launch_decode, monolithic_layer_view, occupancy_blocks_per_sm, paged_decode,

@@ -6,6 +6,7 @@ float64 torch references in :mod:`tangram.kernels.reference`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -19,8 +20,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_CPU_REFERENCE = False
+
+
+@contextlib.contextmanager
+def cpu_reference(enabled: bool = True):
+    """Run CPU tensors through the float64 torch references even under ``TRITON_INTERPRET=1``.
+
+    The interpreter executes a kernel's every program in numpy, which is right for checking a kernel on tiny shapes
+    (tests/test_kernels.py) but turns a whole model forward into minutes; tests of the engine's plumbing use this.
+    CUDA tensors always run Triton."""
+    global _CPU_REFERENCE
+    prev, _CPU_REFERENCE = _CPU_REFERENCE, enabled
+    try:
+        yield
+    finally:
+        _CPU_REFERENCE = prev
+
+
 def runs_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or interpreting()
+    return t.is_cuda or (interpreting() and not _CPU_REFERENCE)
 
 
 def _fix_interpreter_index() -> None:
@@ -60,4 +79,4 @@ if interpreting():
     _fix_interpreter_index()
 
 
-__all__ = ["triton", "tl", "interpreting", "runs_triton"]
+__all__ = ["triton", "tl", "interpreting", "runs_triton", "cpu_reference"]

@@ -27,6 +27,16 @@ def tiny_cfg():
                                num_q_heads=8, num_kv_heads=4, rope_scaling=None, max_context=4096)
 
 
+@pytest.fixture(autouse=True)
+def reference_kernels(request):
+    """Whole-model runs use the float64 torch references on the CPU: the Triton interpreter runs every kernel
+    program in numpy (minutes per model forward). Tests marked ``interpret`` keep the interpreted Triton kernels,
+    so the executor's launch plumbing (strides, tables, split maps) is exercised through Triton too."""
+    from tangram.kernels import cpu_reference
+    with cpu_reference(request.node.get_closest_marker("interpret") is None):
+        yield
+
+
 @pytest.fixture(scope="module")
 def tiny():
     cfg = tiny_cfg()
@@ -50,7 +60,8 @@ def small_trace(sessions=3, first=(29, 35, 41), later=9, out=5):
     return Trace(turns)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.interpret) if m == "tangram" else m
+                                  for m in MODES])
 def test_every_mode_serves_the_trace_and_returns_every_page(tiny, mode):
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
@@ -64,6 +75,7 @@ def test_every_mode_serves_the_trace_and_returns_every_page(tiny, mode):
         assert res.schedulers[0].stats.pages_allocated > 0
 
 
+@pytest.mark.interpret
 def test_full_mode_logits_equal_the_plain_model(tiny):
     """Chunked, paged, batched full mode == one unpaged forward over the same token stream (fp32)."""
     cfg, model = tiny

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -42,7 +43,15 @@ def make_storage(url: str, heartbeat_s: int | None = 5, grace_s: int | None = 20
         hb = {"heartbeat_interval": int(heartbeat_s), "grace_period": int(grace_s or 4 * heartbeat_s),
               "heartbeat_stale_trial_callback": optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)}
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kw, **hb)
+        for attempt in range(5):
+            try:
+                return optuna.storages.RDBStorage(url, engine_kwargs=kw, **hb)
+            except sqlalchemy.exc.IntegrityError:
+                # Two workers (or a worker and a monitor) creating the schema of a fresh database at once race
+                # on Optuna's alembic_version row; the loser finds the schema complete on the next try.
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
     except (sqlalchemy.exc.ArgumentError, sqlalchemy.exc.OperationalError, sqlalchemy.exc.NoSuchModuleError,
             ImportError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

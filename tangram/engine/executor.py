@@ -35,6 +35,7 @@ at the end) plus the scheduler's host time for it when the scheduler is a
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -103,7 +104,7 @@ class TokenSource:
 class ExecutorOptions:
     sampling: SamplingParams = SamplingParams()
     time_ops: bool = False  # per-operator times (CUDA events on the GPU) in StepResult.breakdown
-    num_sms: int | None = None  # static split heuristic; default: the device's, else 132
+    num_sms: int | None = None  # static split heuristic; default: the device's SMs, else the CPU's cores
     n_occ: int | None = None  # resident decode CTAs (N_CTA); default: from the compiled kernel on the GPU
     score_window: int = 32
     # dynamic mode: "topk" = the layer's global top-k of the scores (real weights); "profile" = per-head keep
@@ -177,8 +178,8 @@ class Executor:
             self.num_sms = self.opts.num_sms
         elif self.cuda:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        else:
-            self.num_sms = 132
+        else:  # CPU (reference kernels or the Triton interpreter): one "SM" per core keeps grids small
+            self.num_sms = os.cpu_count() or 1
         self.n_occ = self.opts.n_occ or self._measure_n_occ()
         self.aot = None
         if self.partition == "aot":
