@@ -36,7 +36,11 @@ from tangram.kernels._triton import runs_triton, tl, triton
 # ----------------------------------------------------------------------------- kernels
 
 
-@triton.jit
+# Integer arguments that change from step to step (table widths, split counts, partial-buffer shapes) are not
+# specialised: Triton would otherwise recompile (~1 s) whenever one of them flips between "divisible by 16",
+# "== 1" and neither, which showed up as sporadic 0.5-1.8 s engine steps on the H100.
+@triton.jit(do_not_specialize=["chunk_tokens", "stride_btb", "stride_btg", "stride_lb", "stride_nb", "stride_pb",
+                               "stride_ph", "stride_ps"])
 def _decode_split_kernel(
     Q, KV, BT, LENS, SLOT2HEAD, NSPLIT, ITEMS, PM, PL, PACC, OUT,
     qk_scale, chunk_tokens,
@@ -115,7 +119,7 @@ def _decode_split_kernel(
         tl.store(PACC + pbase * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_nb", "stride_pb", "stride_ph", "stride_ps"])
 def _decode_merge_kernel(
     PM, PL, PACC, NSPLIT, SLOT2HEAD, OUT,
     stride_nb, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,

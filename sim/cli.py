@@ -20,7 +20,7 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "preemptions", "session_evictions"]
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "calibration", "slo", "target_rate"}
+            "calibration", "slo", "target_rate", "engine_overhead"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="JSON file of EngineConfig fields plus model/gpu/trace/... (as the tuner writes)")
     p.add_argument("--calibration", help="folder of calibration tables (default sim/calibration/<gpu>/; 'none': "
                                          "roofline only)")
+    p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
+                   help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
+                        "issue/sync overhead (engine_overhead.json of the calibration folder)")
     p.add_argument("--slo", help="e.g. 'ttft_p99=2s,tpot_p99=0.1s'")
     p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting --slo")
     p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed)")
@@ -153,7 +156,13 @@ def resolve(args) -> dict:
         calibration = None
     elif calibration != "auto" and not Path(calibration).is_dir():
         raise ConfigError(f"--calibration: {calibration} is not a folder of calibration tables")
-    spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, calibration)
+    from tangram.sim.costmodel import CostParams
+
+    eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
+    if not isinstance(eo, bool):
+        raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
+    spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, calibration,
+                   CostParams(engine_overhead=eo))
     return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
             "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
             "out": Path(args.out or cfg.get("out", DEFAULT_OUT))}

@@ -23,11 +23,13 @@ from tangram.paging import KVLayout
 from tangram.plan import StepPlan, StepResult
 from tangram.planner import aot_split_map, flashdecoding_num_splits, runtime_plan
 
+from . import engine_overhead
 from .tables import CalibrationTables, calibration_dir_for
 
 HOST_COEFFS_PATH = Path(__file__).resolve().parent / "host_coeffs.json"
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
+_HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class CostParams:
     score_window: int = 64  # SnapKV observation window (queries scoring each new token)
     aot_batch_buckets: bool = True  # split maps per power-of-two batch bucket (N_CTA / bucket), a lookup
     decode_refresh: float = 0.01  # re-run the wave model when the same batch's tokens grew by more than this
+    # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the calibration folder
+    # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
+    engine_overhead: bool = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,10 @@ class CostModel:
             self.sources["compression"] = "table:prefill_attention.csv score/select/scatter" if has else \
                 "roofline: window scoring FLOPs + top-k/scatter bytes"
         self.sources["host_control_plane"] = self.host.source
+        self.overhead = engine_overhead.load(self.tables.directory, model.name) if self.params.engine_overhead \
+            else None
+        self.sources["engine_overhead"] = self.overhead.source if self.overhead is not None else \
+            "none: kernels back to back (no fitted engine_overhead.json, or engine_overhead off)"
         if engine.retention == "global":
             self.sources["reclaim"] = f"host: pages x reclaim_page_s + rows x compress_row_s ({self.host.source})"
         if self.partition == "runtime":
@@ -232,6 +241,10 @@ class CostModel:
                 br["compression"] = comp
             if plan.retention == "global":
                 realized, br["reclaim"] = self._dynamic(plan)
+        if self.overhead is not None:
+            kern = sum(v for k, v in br.items() if k not in _HOST_TERMS)
+            br["engine_overhead"] = float(self.overhead.step_s(kern, self.model.num_layers, kd, kp, self.compress,
+                                                               self.partition == "aot")) - kern
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 

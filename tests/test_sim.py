@@ -252,7 +252,7 @@ def test_roofline_fallback_labelled_and_tables_used(tmp_path):
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     eng = EngineConfig(mode="tangram")
     roof = _cost(eng, prof)
-    assert all(v.startswith(("roofline", "measured", "default", "host")) for v in roof.sources.values()), roof.sources
+    assert all(v.startswith(("roofline", "measured", "default", "host", "none")) for v in roof.sources.values()), roof.sources
     assert "default: 2 CTAs per SM" in roof.sources["decode_attention"] and roof.n_cta == 2 * H100.num_sms
     # a small measured table: GEMMs 3x slower than the roofline, decode at 1 TB/s, 3 CTAs per SM
     d = tmp_path / "cal"

@@ -1,7 +1,7 @@
 #!/bin/bash
-# H100 acceptance: one device call. Usage (device tool, carry .whl_engine): bash reports/engine/h100_run.sh
+# H100 acceptance: one device call. Usage (device tool, carry .whl: the simpy wheel): bash reports/engine/h100_run.sh
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_engine/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${WHL:-.whl}/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 # the package maps folders to tangram.* names; without an install, a sitecustomize adds the repo root to tangram's path
 echo "import sys; sys.path.insert(0, '$PWD')

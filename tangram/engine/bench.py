@@ -154,8 +154,12 @@ def _mini_trace(engine):
 
 
 def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
-             tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk") -> tuple[dict, object, dict]:
-    """Serve the trace in one mode; returns (summary, ClusterResult, leak check)."""
+             tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk",
+             wrap=None) -> tuple[dict, object, dict]:
+    """Serve the trace in one mode; returns (summary, ClusterResult, leak check).
+
+    ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
+    each step's plan and measured time through it)."""
     import torch
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -172,14 +176,12 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)
         Cluster(_mini_trace(engine), [(ws, wx)], spec.router, record_kv=False).run()
         n_occ = wx.n_occ
-        del wx, ws
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        del wx, ws  # the caching allocator keeps their blocks, so the measured run does not cudaMalloc them again
         opts = dataclasses.replace(opts, n_occ=n_occ)
     sched = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
     exe = Executor(model, sched, TokenSource.from_trace(trace, spec.model.vocab, seed, tokenizer), opts)
     t = time.perf_counter()
-    res = Cluster(trace, [(sched, exe)], spec.router, progress=progress).run()
+    res = Cluster(trace, [(sched, wrap(exe) if wrap is not None else exe)], spec.router, progress=progress).run()
     wall = time.perf_counter() - t
     leak = leak_check(sched)
     summ = summarize(res, engine, [_EngineCost(exe.n_occ, str(torch.cuda.get_device_name(device))

@@ -1,0 +1,28 @@
+#!/bin/bash
+# Issue 6, calibrated validation on the H100 in one device call (carry: [".whl"], simpy's wheel):
+#   bash reports/validation/h100_calibrated.sh   fit the engine overhead on a calibration trace (seed 1), then
+#                                                tangram-validate on the validation trace (seed 0) with it
+# PHASE=calibrate or PHASE=validate runs one half.
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+# the package maps folders to tangram.* names; without an install, a sitecustomize adds the repo root to tangram's path
+echo "import sys; sys.path.insert(0, '$PWD')
+import tangram; tangram.__path__.append('$PWD')" > /tmp/site/sitecustomize.py
+python3 -c "import tangram.sim, tangram.kernels, torch, triton, simpy; print('imports ok', torch.__version__, triton.__version__, torch.cuda.get_device_name())" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/device.txt
+lscpu | grep -E "Model name|^CPU\(s\)" | tee -a $OUT/device.txt
+if [ "${PHASE:-both}" != validate ]; then
+  # calibration trace: seed 1 (the validation trace below is seed 0, the recipe of reports/validation/h100)
+  python3 reports/engine/make_trace.py /tmp/ctrace.jsonl --sessions 4 --first 8000 --out-tokens 64 --seed 1
+  cp /tmp/ctrace.jsonl $OUT/calibration_trace.jsonl
+  timeout ${CLIMIT:-500} python3 -m tangram.sim.calibrate_engine /tmp/ctrace.jsonl --modes tangram,full,dynamic \
+    --model llama-3.1-8b --weights random --rho 0.25 --alpha 2 --hp 4 --kv-pool-gib 2.5 \
+    --steps-csv $OUT/engine_steps.csv 2>&1 | grep -v "it/s\]" | tee $OUT/calibrate.log
+  cp sim/calibration/h100/engine_overhead.json $OUT/
+  [ "${PHASE:-both}" = calibrate ] && exit 0
+fi
+python3 reports/engine/make_trace.py /tmp/vtrace.jsonl --sessions 4 --first 8000 --out-tokens 64
+timeout ${VLIMIT:-540} python3 -m tangram.tuning.validate ${CONFIGS:-reports/validation/configs/*.json} \
+  --trace /tmp/vtrace.jsonl --kv-pool-gib 2.5 --no-time-ops --out $OUT/v 2>&1 | grep -v "it/s\]" | tee $OUT/validate.log
+cp /tmp/vtrace.jsonl $OUT/v/trace.jsonl

@@ -1,0 +1,137 @@
+"""``python -m tangram.sim.calibrate_engine TRACE``: fit the eager engine's per-step overhead on a GPU.
+
+Runs the real engine (the ``tangram-bench`` path) over TRACE in several modes; at every step the same
+:class:`~tangram.plan.StepPlan` is also priced by the cost model with ``engine_overhead`` off (kernels back to
+back). The executor's measured seconds against that kernel prediction, with the step's decode rows and prefill
+chunks, fit the coefficients of :mod:`tangram.sim.engine_overhead`; they are written to
+``engine_overhead.json`` in the calibration folder (``--out-dir``, default the GPU preset's), and every step
+to ``--steps-csv``. Use a trace other than the one you validate on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import platform
+import sys
+from pathlib import Path
+
+
+from tangram.errors import ConfigError, cli_errors
+
+from . import engine_overhead
+from .costmodel import _HOST_TERMS, CostModel
+
+
+class StepRecorder:
+    """Wraps an executor: runs the step on it, prices the same plan with the kernel-only cost model, records both."""
+
+    def __init__(self, exe, cost_model: CostModel, mode: str, rows: list):
+        self._exe, self._cm, self._mode, self._rows = exe, cost_model, mode, rows
+
+    def __getattr__(self, name):
+        return getattr(self._exe, name)
+
+    def execute(self, plan):
+        pred = self._cm.execute(plan)
+        res = self._exe.execute(plan)
+        meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in _HOST_TERMS)
+        kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("engine_overhead",))
+        self._rows.append({"mode": self._mode, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
+                           "tokens": plan.num_tokens, "compress": self._cm.compress,
+                           "aot": self._cm.partition == "aot",
+                           "kernel_pred_s": kern, "measured_s": meas})
+        return res
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m tangram.sim.calibrate_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("trace", help="multi-turn JSONL trace (not the validation trace)")
+    p.add_argument("--modes", default="tangram,full,dynamic", help="comma list of modes to run (default %(default)s)")
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--weights", default="random")
+    p.add_argument("--rho", type=float, default=0.25)
+    p.add_argument("--alpha", type=float, default=2.0)
+    p.add_argument("--hp", type=int, default=4)
+    p.add_argument("--kv-pool-gib", type=float)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out-dir", help="calibration folder to write engine_overhead.json into (default: the GPU's)")
+    p.add_argument("--steps-csv", help="also write every recorded step here")
+    return p
+
+
+def run(a) -> dict:
+    import pandas as pd
+    import torch
+
+    from tangram.engine.bench import _device_dtype, _parser as bench_parser, resolve, run_mode
+    from tangram.engine.weights import load_model
+
+    from .tables import calibration_dir_for
+
+    argv = [a.trace, "--model", a.model, "--weights", a.weights, "--rho", str(a.rho), "--alpha", str(a.alpha),
+            "--hp", str(a.hp), "--device", a.device, "--dtype", a.dtype]
+    if a.kv_pool_gib is not None:
+        argv += ["--kv-pool-gib", str(a.kv_pool_gib)]
+    r = resolve(bench_parser().parse_args(argv))
+    spec, trace = r["spec"], r["trace"]
+    device, dtype = _device_dtype(a.device, a.dtype)
+    model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
+    dyn = "profile" if info.get("source") == "random" else "topk"
+    kernel_params = dataclasses.replace(spec.params, engine_overhead=False)
+    rows: list[dict] = []
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    for mode in modes:
+        def wrap(exe, mode=mode):
+            cm = CostModel(spec.model, spec.gpu, exe.engine, exe.sched.layout, exe.sched.profile,
+                           calibration=spec.calibration, params=kernel_params, seed=spec.seed)
+            return StepRecorder(exe, cm, mode, rows)
+
+        n0 = len(rows)
+        run_mode(trace, spec, mode, model, device=device, seed=spec.seed, dynamic_keep=dyn, wrap=wrap)
+        print(f"{mode}: {len(rows) - n0} steps recorded", flush=True)
+    df = pd.DataFrame(rows)
+    if a.steps_csv:
+        Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(a.steps_csv, index=False)
+    L = spec.model.num_layers
+    ov, stats = engine_overhead.fit(df["kernel_pred_s"], df["measured_s"], L, df["kd"], df["kp"], df["compress"],
+                                    df["aot"])
+    per_mode = {}
+    for mode, g in df.groupby("mode", sort=False):
+        pred = ov.step_s(g["kernel_pred_s"], L, g["kd"], g["kp"], g["compress"], g["aot"])
+        per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
+                          "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
+    stats["per_mode"] = per_mode
+    directory = Path(a.out_dir) if a.out_dir else calibration_dir_for(spec.gpu.name)
+    if directory is None:
+        raise ConfigError(f"no calibration folder for GPU {spec.gpu.name}; pass --out-dir")
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'})"
+    prov = {"command": "python -m tangram.sim.calibrate_engine " + " ".join(a._argv), "device": dev,
+            "torch": torch.__version__, "trace": str(a.trace), "modes": modes, "weights": info.get("source"),
+            "date": _dt.date.today().isoformat(), "host_cpu_count": __import__("os").cpu_count()}
+    try:
+        import triton
+        prov["triton"] = triton.__version__
+    except ImportError:
+        pass
+    path = engine_overhead.save(directory, spec.model.name, ov, stats, prov)
+    print("coefficients (s): " + ", ".join(f"{k}={v:.3g}" for k, v in ov.coefficients().items()))
+    print(f"fit over {stats['steps']} steps: median |rel err| {stats['median_abs_rel_err']:.3f}, total "
+          f"{stats['total_rel_err']:+.3f} (kernels only: {stats['kernels_only_total_rel_err']:+.3f})")
+    print(f"wrote {path}")
+    return {"coefficients": ov.coefficients(), "fit": stats, "path": str(path)}
+
+
+@cli_errors
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    a._argv = list(sys.argv[1:] if argv is None else argv)
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
