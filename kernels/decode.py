@@ -36,11 +36,11 @@ from tangram.kernels._triton import runs_triton, tl, triton
 # ----------------------------------------------------------------------------- kernels
 
 
-# Integer arguments that change from step to step (table widths, split counts, partial-buffer shapes) are not
-# specialised: Triton would otherwise recompile (~1 s) whenever one of them flips between "divisible by 16",
-# "== 1" and neither, which showed up as sporadic 0.5-1.8 s engine steps on the H100.
-@triton.jit(do_not_specialize=["chunk_tokens", "stride_btb", "stride_btg", "stride_lb", "stride_nb", "stride_pb",
-                               "stride_ph", "stride_ps"])
+# Integer arguments stay specialised (Triton's default: "== 1" / "divisible by 16"). Marking the step-varying ones
+# do_not_specialize removed the occasional recompile (0.5-1.8 s steps) but cost 27% of engine throughput on the
+# H100 (tangram mode 0.378 vs 0.517 req/s, reports/engine/ab_variants.sh, A vs B). Instead the partial buffers are
+# padded (launch_decode) so their strides keep one divisibility class, and the warm-up covers the chunk lengths.
+@triton.jit
 def _decode_split_kernel(
     Q, KV, BT, LENS, SLOT2HEAD, NSPLIT, ITEMS, PM, PL, PACC, OUT,
     qk_scale, chunk_tokens,
@@ -119,7 +119,7 @@ def _decode_split_kernel(
         tl.store(PACC + pbase * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None])
 
 
-@triton.jit(do_not_specialize=["stride_nb", "stride_pb", "stride_ph", "stride_ps"])
+@triton.jit
 def _decode_merge_kernel(
     PM, PL, PACC, NSPLIT, SLOT2HEAD, OUT,
     stride_nb, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
@@ -352,6 +352,10 @@ def launch_decode(q, kv_pool, block_table, head_lens, slot_to_head, sched: Layer
         pm = pl = pacc = out  # unused
         spb = sph = sps = 0
     else:
+        # Pad the split axis so the partial buffers' strides (S*gq, H*S*gq) are always multiples of 16: a stride
+        # flipping between "divisible by 16" and not as S changes from step to step would recompile both kernels.
+        m = 16 // math.gcd(16, gq)
+        S = -(-S // m) * m
         pm = torch.empty((B, H, S, gq), device=q.device, dtype=torch.float32)
         pl = torch.empty_like(pm)
         pacc = torch.empty((B, H, S, gq, d), device=q.device, dtype=torch.float32)

@@ -32,8 +32,7 @@ from tangram.kernels._triton import runs_triton, tl, triton
 LOG2E = 1.4426950408889634
 
 
-# Chunk lengths and table widths vary per step: not specialised, so they never trigger a recompile (see decode.py).
-@triton.jit(do_not_specialize=["c", "stride_btg", "stride_lh"])
+@triton.jit
 def _prefill_attn_kernel(
     Q, KN, VN, KV, BT, LENS, HEAD2SLOT, OUT, LSE,
     c, qk_scale,
@@ -109,7 +108,7 @@ def _prefill_attn_kernel(
     tl.store(LSE + qh * stride_lh + offs_m, m_i + tl.log2(l_i), mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["c", "w", "stride_lh", "stride_oh"])
+@triton.jit
 def _snapkv_score_kernel(
     Q, KN, LSE, HEAD2SLOT, OUT,
     c, w, qk_scale,
@@ -143,7 +142,7 @@ def _snapkv_score_kernel(
     tl.store(OUT + slot * stride_oh + offs_n, acc, mask=mask_n)
 
 
-@triton.jit(do_not_specialize=["c", "max_pages", "stride_kh", "stride_btg"])
+@triton.jit
 def _scatter_kernel(
     KN, VN, KEEP, LENS, SLOT2HEAD, BT, KV,
     c, max_pages,
