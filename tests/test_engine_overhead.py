@@ -1,0 +1,130 @@
+"""The eager engine's per-step overhead term: fit, file format, use in the cost model, and the calibration CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tangram.budgets import synthetic_profile
+from tangram.config import EngineConfig, get_gpu, get_model
+from tangram.errors import ConfigError
+from tangram.scheduler import Scheduler
+from tangram.sim import engine_overhead as eo
+from tangram.sim.costmodel import CostModel, CostParams
+from tangram.sim.tables import calibration_dir_for
+
+LLAMA, H100 = get_model("llama-3.1-8b"), get_gpu("h100")
+
+
+def _synthetic_steps(rng, truth, n):
+    kd = rng.integers(0, 40, n)
+    kp = rng.integers(0, 3, n)
+    kp[kd == 0] = np.maximum(kp[kd == 0], 1)
+    comp, aot = rng.random(n) < 0.5, rng.random(n) < 0.5
+    kern = rng.uniform(2e-3, 6e-2, n) * (1 + 3 * kp)
+    meas = truth.step_s(kern, 32, kd, kp, comp, aot) * rng.lognormal(0, 0.02, n)
+    return kern, meas, kd, kp, comp, aot
+
+
+def test_fit_predicts_held_out_steps():
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    truth = eo.EngineOverhead(*rng.uniform(1e-5, 5e-4, 5), rng.uniform(1e-4, 1e-3), rng.uniform(1e-3, 1e-2),
+                              rng.uniform(0.8, 1.5))
+    kern, meas, *features = _synthetic_steps(rng, truth, 600)
+    ov, stats = eo.fit(kern, meas, 32, *features)
+    assert stats["converged"] and abs(stats["total_rel_err"]) < 0.01
+    held = _synthetic_steps(rng, truth, 300)
+    pred = ov.step_s(held[0], 32, *held[2:])
+    exact = truth.step_s(held[0], 32, *held[2:])
+    assert np.median(np.abs(pred / exact - 1)) < 0.03
+    assert abs(ov.kernel_scale - truth.kernel_scale) < 0.05 * truth.kernel_scale
+
+
+def test_fit_rejects_too_few_or_bad_steps():
+    with pytest.raises(ConfigError, match="too few"):
+        eo.fit([0.01] * 5, [0.02] * 5, 32, [1] * 5, [0] * 5, [False] * 5)
+    with pytest.raises(ConfigError, match="> 0"):
+        eo.fit([0.01] * 40, [0.0] * 40, 32, [1] * 40, [0] * 40, [False] * 40)
+
+
+def test_save_load_roundtrip_keeps_other_models(tmp_path):
+    a = eo.EngineOverhead(1e-4, 2e-4, 3e-5, 4e-4, 5e-4, 1e-3, 2e-2, 1.1)
+    eo.save(tmp_path, "m1", a, {"steps": 10}, {"command": "c1", "device": "d"})
+    eo.save(tmp_path, "m2", a, {"steps": 11}, {"command": "c2", "device": "d"})
+    got = eo.load(tmp_path, "m1")
+    assert got.coefficients() == a.coefficients() and "c1" in got.source
+    assert eo.load(tmp_path, "m2") is not None and eo.load(tmp_path, "other") is None
+    assert eo.load(None, "m1") is None
+    (tmp_path / eo.FILENAME).write_text("{not json")
+    with pytest.raises(ConfigError, match=eo.FILENAME):
+        eo.load(tmp_path, "m1")
+
+
+def test_cost_model_adds_the_overhead_term(tmp_path):
+    src = calibration_dir_for(H100.name)
+    d = tmp_path / "cal"
+    shutil.copytree(src, d)
+    ov = eo.EngineOverhead(3e-4, 2e-4, 1e-4, 5e-4, 4e-4, 1e-3, 5e-3, 1.2)
+    eo.save(d, LLAMA.name, ov, {"steps": 1}, {"command": "test", "device": "none"})
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0)
+    eng = EngineConfig(mode="tangram")
+    sched = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
+    on = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, calibration=d)
+    off = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, calibration=d,
+                    params=CostParams(engine_overhead=False))
+    assert on.sources["engine_overhead"].startswith("fitted:")
+    assert off.sources["engine_overhead"].startswith("none")
+    from tangram.sim.cluster import Cluster
+    from tangram.traces import generate
+
+    tr = generate(3, "short", seed=1)
+    n = 0
+    for cm in (on, off):
+        s = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
+        seen = []
+
+        class Rec:
+            def execute(self, plan, cm=cm, seen=seen):
+                r = cm.execute(plan)
+                seen.append((plan, r))
+                return r
+        Cluster(tr, [(s, Rec())]).run()
+        n += len(seen)
+        for plan, r in seen:
+            kern = sum(v for k, v in r.breakdown.items() if k not in ("host", "runtime_plan", "reclaim",
+                                                                        "engine_overhead"))
+            if cm is on:
+                want = ov.step_s(kern, LLAMA.num_layers, plan.num_decode, plan.num_prefill, True, True)
+                assert r.duration_s == pytest.approx(float(want) + r.breakdown["host"], rel=1e-9)
+            else:
+                assert "engine_overhead" not in r.breakdown
+    assert n > 0
+
+
+def test_calibrate_engine_cli_on_cpu(tmp_path):
+    """The calibration CLI end to end on the CPU (SmolLM2 shape, random weights, reference kernels)."""
+    from tangram.kernels import cpu_reference
+    from tangram.sim.calibrate_engine import main
+    from tangram.traces.format import Trace, Turn, save_trace
+
+    turns = []
+    for s in range(3):
+        turns.append(Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 90 + 17 * s, 14))
+        turns.append(Turn(f"s{s}:1", f"s{s}", 1, None, 0.05, 20 + s, 12))
+    trace = tmp_path / "t.jsonl"
+    save_trace(Trace(turns), trace)
+    out = tmp_path / "cal"
+    with cpu_reference(), pytest.raises(SystemExit) as e:
+        main([str(trace), "--model", "smollm2-135m", "--hp", "3", "--modes", "tangram,full",
+              "--kv-pool-gib", "0.02", "--out-dir", str(out), "--steps-csv", str(tmp_path / "s.csv")])
+    assert e.value.code == 0
+    d = json.loads((out / eo.FILENAME).read_text())
+    entry = d["models"]["smollm2-135m"]
+    assert set(entry["coefficients"]) == set(eo.COEFFS) and entry["fit"]["steps"] > 20
+    assert "calibrate_engine" in entry["command"] and set(entry["fit"]["per_mode"]) == {"tangram", "full"}
+    steps = pd.read_csv(tmp_path / "s.csv")
+    assert (steps["measured_s"] > 0).all() and set(steps["mode"]) == {"tangram", "full"}
+    assert eo.load(out, "smollm2-135m") is not None
