@@ -454,10 +454,15 @@ def test_mooncake_matches_brute_force(tmp_path, rows):
 
 
 @pytest.fixture(scope="module")
-def real_mooncake():
-    if not MOONCAKE.is_file():
-        pytest.skip(f"real Mooncake trace not found at {MOONCAKE} (expected ../shared/traces/ next to the project)")
-    return MOONCAKE
+def real_mooncake(tmp_path_factory):
+    """The project's shared Mooncake trace; a fresh clone elsewhere uses the bundled gzip copy of the same file."""
+    if MOONCAKE.is_file():
+        return MOONCAKE
+    import gzip
+    bundled = Path(__file__).parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
+    out = tmp_path_factory.mktemp("mooncake") / "mooncake_synthetic_trace.jsonl"
+    out.write_bytes(gzip.decompress(bundled.read_bytes()))
+    return out
 
 
 def test_mooncake_real_file(real_mooncake, tmp_path):
