@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import os
 import platform
-import sys
 from pathlib import Path
 
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError, cli_errors, parse_cli
 
 from . import engine_overhead
 from .costmodel import _HOST_TERMS, CostModel
@@ -110,7 +110,7 @@ def run(a) -> dict:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'})"
     prov = {"command": "python -m tangram.sim.calibrate_engine " + " ".join(a._argv), "device": dev,
             "torch": torch.__version__, "trace": str(a.trace), "modes": modes, "weights": info.get("source"),
-            "date": _dt.date.today().isoformat(), "host_cpu_count": __import__("os").cpu_count()}
+            "date": _dt.date.today().isoformat(), "host_cpu_count": os.cpu_count()}
     try:
         import triton
         prov["triton"] = triton.__version__
@@ -126,9 +126,7 @@ def run(a) -> dict:
 
 @cli_errors
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    a._argv = list(sys.argv[1:] if argv is None else argv)
-    run(a)
+    run(parse_cli(_parser(), argv))
     return 0
 
 

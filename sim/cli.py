@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tangram.config import ABLATION_MODES, MODES, EngineConfig, get_gpu, get_model
-from tangram.errors import ConfigError, InputError, cli_errors
+from tangram.errors import ConfigError, InputError, cli_errors, parse_cli
 
 DEFAULT_OUT = "tangram-sim-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -236,9 +236,7 @@ def _print_table(metrics: dict, capacity: bool) -> None:
 
 @cli_errors
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)
-    run(args)
+    run(parse_cli(_parser(), argv))
     return 0
 
 

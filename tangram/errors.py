@@ -39,3 +39,10 @@ def cli_errors(fn: Callable[..., int | None]) -> Callable[..., int]:
         raise SystemExit(rc or 0)
 
     return wrapper
+
+
+def parse_cli(parser, argv=None):
+    """``parser.parse_args(argv)`` with the argument list kept as ``_argv``: reports print the command they ran."""
+    args = parser.parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
+    return args

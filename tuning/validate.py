@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError, cli_errors, parse_cli
 
 METRICS = ["throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
 # cost-model term -> the engine's measured operators that do the same work
@@ -172,9 +172,7 @@ def write_report(out: Path, df, tdf, tau, a, summary) -> None:
 
 @cli_errors
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
-    a._argv = list(sys.argv[1:] if argv is None else argv)
-    run(a)
+    run(parse_cli(_parser(), argv))
     return 0
 
 

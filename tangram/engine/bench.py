@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError, cli_errors, parse_cli
 
 DEFAULT_OUT = "tangram-bench-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -311,9 +311,7 @@ def _print_table(metrics: dict) -> None:
 
 @cli_errors
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    args._argv = list(sys.argv[1:] if argv is None else argv)
-    metrics = run(args)
+    metrics = run(parse_cli(_parser(), argv))
     return 0 if all(m["leak_ok"] for m in metrics.values()) else 1
 
 
