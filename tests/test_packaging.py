@@ -43,6 +43,9 @@ def test_regular_install_imports(tmp_path):
         assert f.startswith(str(target)), (m, f)
     assert files["tangram.sim"].endswith(os.path.join("tangram", "sim", "__init__.py"))
     assert (target / "tangram" / "traces" / "data" / "default.jsonl").exists()
+    # the simulator's measured coefficients and tables travel with the wheel (else it silently uses defaults)
+    for data in ("host_coeffs.json", "calibration/h100/meta.json", "calibration/h100/engine_overhead.json"):
+        assert (target / "tangram" / "sim" / data).exists(), data
 
 
 def test_editable_install_maps_folders():
