@@ -33,9 +33,14 @@ def test_no_generic_top_level_names():
 
 
 def test_regular_install_imports(tmp_path):
+    import shutil
+    # build from a clean copy: a stale build/ of a dev checkout would hide files the package config leaves out
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns("build", "*.egg-info", ".venv", ".git", "__pycache__",
+                                                             ".hypothesis", ".pytest_cache", "tangram-sim-out"))
     target = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--target", str(target), str(ROOT)], capture_output=True, text=True)
+                        "--target", str(target), str(src)], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail(r.stderr[-2000:])
     files = _import_from(tmp_path, {"PYTHONPATH": str(target)})
