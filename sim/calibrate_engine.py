@@ -1,4 +1,4 @@
-"""``python -m tangram.sim.calibrate_engine TRACE``: fit the eager engine's per-step overhead on a GPU.
+"""``python -m tangram.sim.calibrate_engine TRACE``: fit the engine's per-step overhead on a GPU.
 
 Runs the real engine (the ``tangram-bench`` path) over TRACE in several modes; at every step the same
 :class:`~tangram.plan.StepPlan` is also priced by the cost model with ``engine_overhead`` off (kernels back to
@@ -35,11 +35,12 @@ class StepRecorder:
     def execute(self, plan):
         pred = self._cm.execute(plan)
         res = self._exe.execute(plan)
-        meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in _HOST_TERMS)
+        # an in-step graph capture is a one-off, not the step's cost
+        meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("graph_capture",))
         kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("engine_overhead",))
         self._rows.append({"mode": self._mode, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
                            "tokens": plan.num_tokens, "compress": self._cm.compress,
-                           "aot": self._cm.partition == "aot",
+                           "aot": self._cm.partition == "aot", "graphed": "engine_graph" in res.breakdown,
                            "kernel_pred_s": kern, "measured_s": meas})
         return res
 
@@ -97,10 +98,10 @@ def run(a) -> dict:
         df.to_csv(a.steps_csv, index=False)
     L = spec.model.num_layers
     ov, stats = engine_overhead.fit(df["kernel_pred_s"], df["measured_s"], L, df["kd"], df["kp"], df["compress"],
-                                    df["aot"])
+                                    df["aot"], df["graphed"])
     per_mode = {}
     for mode, g in df.groupby("mode", sort=False):
-        pred = ov.step_s(g["kernel_pred_s"], L, g["kd"], g["kp"], g["compress"], g["aot"])
+        pred = ov.step_s(g["kernel_pred_s"], L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
         per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
                           "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
     stats["per_mode"] = per_mode

@@ -244,7 +244,8 @@ class CostModel:
         if self.overhead is not None:
             kern = sum(v for k, v in br.items() if k not in _HOST_TERMS)
             br["engine_overhead"] = float(self.overhead.step_s(kern, self.model.num_layers, kd, kp, self.compress,
-                                                               self.partition == "aot")) - kern
+                                                               self.partition == "aot",
+                                                               self.engine.decode_graphed(kd, kp))) - kern
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 

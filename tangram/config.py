@@ -144,6 +144,9 @@ class EngineConfig:
     split_rounding: str = "round"  # Algorithm 1 rounding: "round" (paper) or "ceil"
     n_cta_scale: float = 1.0  # multiplies the occupancy-derived N_CTA
     session_cache: bool = True  # keep a session's compressed KV resident between turns
+    # pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
+    # in the engine and are priced as graph replays by the simulator; 0 = every step eager
+    cuda_graph_max_bs: int = 64
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -164,6 +167,8 @@ class EngineConfig:
             raise ConfigError(f"split_rounding must be 'round' or 'ceil', got {self.split_rounding!r}")
         if self.decode_partition not in (None, "static", "runtime", "aot"):
             raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
+        if self.cuda_graph_max_bs < 0:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
 
     # -- resolved switches
     @property
@@ -190,6 +195,22 @@ class EngineConfig:
         if self.aot_balancing is not None:
             return "aot" if self.aot_balancing else "static"
         return "aot" if self.mode == "tangram" else "static"
+
+    @property
+    def graph_max_batch(self) -> int:
+        """Largest captured decode batch bucket (0: no graphs). The runtime partition plans on the host every
+        step, so it is never captured."""
+        n = min(self.cuda_graph_max_bs, self.max_num_seqs)
+        if n <= 0 or self.partition == "runtime":
+            return 0
+        return 1 << (n - 1).bit_length()
+
+    def decode_graphed(self, num_decode, num_prefill):
+        """Whether a step with these rows replays a decode graph (vectorised over arrays of steps)."""
+        import numpy as np
+
+        kd, kp = np.asarray(num_decode), np.asarray(num_prefill)
+        return (kp == 0) & (kd > 0) & (kd <= self.graph_max_batch)
 
     def with_(self, **kw: Any) -> "EngineConfig":
         return replace(self, **kw)

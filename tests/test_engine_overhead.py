@@ -1,4 +1,4 @@
-"""The eager engine's per-step overhead term: fit, file format, use in the cost model, and the calibration CLI."""
+"""The engine's per-step overhead term (eager and graph-replayed steps): fit, file format, use in the cost model, and the calibration CLI."""
 from __future__ import annotations
 
 import json
@@ -24,15 +24,16 @@ def _synthetic_steps(rng, truth, n):
     kp = rng.integers(0, 3, n)
     kp[kd == 0] = np.maximum(kp[kd == 0], 1)
     comp, aot = rng.random(n) < 0.5, rng.random(n) < 0.5
+    graphed = (kp == 0) & (kd > 0) & (rng.random(n) < 0.6)
     kern = rng.uniform(2e-3, 6e-2, n) * (1 + 3 * kp)
-    meas = truth.step_s(kern, 32, kd, kp, comp, aot) * rng.lognormal(0, 0.02, n)
-    return kern, meas, kd, kp, comp, aot
+    meas = truth.step_s(kern, 32, kd, kp, comp, aot, graphed) * rng.lognormal(0, 0.02, n)
+    return kern, meas, kd, kp, comp, aot, graphed
 
 
 def test_fit_predicts_held_out_steps():
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     truth = eo.EngineOverhead(*rng.uniform(1e-5, 5e-4, 5), rng.uniform(1e-4, 1e-3), rng.uniform(1e-3, 1e-2),
-                              rng.uniform(0.8, 1.5))
+                              rng.uniform(2e-4, 2e-3), rng.uniform(0.8, 1.5))
     kern, meas, *features = _synthetic_steps(rng, truth, 600)
     ov, stats = eo.fit(kern, meas, 32, *features)
     assert stats["converged"] and abs(stats["total_rel_err"]) < 0.01
@@ -41,6 +42,22 @@ def test_fit_predicts_held_out_steps():
     exact = truth.step_s(held[0], 32, *held[2:])
     assert np.median(np.abs(pred / exact - 1)) < 0.03
     assert abs(ov.kernel_scale - truth.kernel_scale) < 0.05 * truth.kernel_scale
+    assert abs(ov.graph_s - truth.graph_s) < 0.2 * truth.graph_s + 2e-4 and stats["unfitted"] == []
+
+
+def test_graph_term_unfitted_without_graphed_steps_and_old_files_load(tmp_path):
+    rng = np.random.default_rng(3)
+    truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0)
+    kern, meas, kd, kp, comp, aot, _ = _synthetic_steps(rng, truth, 200)
+    meas = truth.step_s(kern, 32, kd, kp, comp, aot)  # an eager engine: no graphed step
+    ov, stats = eo.fit(kern, meas, 32, kd, kp, comp, aot)
+    assert stats["unfitted"] == ["graph_s"] and ov.graph_s == ov.sync_s
+    # a file written before graphs (eight coefficients) still loads, pricing graph replays as kernels + sync_s
+    old = {k: v for k, v in truth.coefficients().items() if k != "graph_s"}
+    (tmp_path / eo.FILENAME).write_text(json.dumps({"version": 1, "models": {"m": {"coefficients": old}}}))
+    got = eo.load(tmp_path, "m")
+    assert got.graph_s == truth.sync_s and "graph_s not fitted" in got.source
+    assert float(got.step_s(0.01, 32, 4, 0, True, True, True)) == pytest.approx(0.01 + truth.sync_s)
 
 
 def test_fit_rejects_too_few_or_bad_steps():
@@ -51,7 +68,7 @@ def test_fit_rejects_too_few_or_bad_steps():
 
 
 def test_save_load_roundtrip_keeps_other_models(tmp_path):
-    a = eo.EngineOverhead(1e-4, 2e-4, 3e-5, 4e-4, 5e-4, 1e-3, 2e-2, 1.1)
+    a = eo.EngineOverhead(1e-4, 2e-4, 3e-5, 4e-4, 5e-4, 1e-3, 2e-2, 3e-3, 1.1)
     eo.save(tmp_path, "m1", a, {"steps": 10}, {"command": "c1", "device": "d"})
     eo.save(tmp_path, "m2", a, {"steps": 11}, {"command": "c2", "device": "d"})
     got = eo.load(tmp_path, "m1")
@@ -67,7 +84,7 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
     src = calibration_dir_for(H100.name)
     d = tmp_path / "cal"
     shutil.copytree(src, d)
-    ov = eo.EngineOverhead(3e-4, 2e-4, 1e-4, 5e-4, 4e-4, 1e-3, 5e-3, 1.2)
+    ov = eo.EngineOverhead(3e-4, 2e-4, 1e-4, 5e-4, 4e-4, 1e-3, 5e-3, 2e-3, 1.2)
     eo.save(d, LLAMA.name, ov, {"steps": 1}, {"command": "test", "device": "none"})
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0)
     eng = EngineConfig(mode="tangram")
@@ -81,7 +98,7 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
     from tangram.traces import generate
 
     tr = generate(3, "short", seed=1)
-    n = 0
+    n = graphed = 0
     for cm in (on, off):
         s = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
         seen = []
@@ -97,11 +114,13 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
             kern = sum(v for k, v in r.breakdown.items() if k not in ("host", "runtime_plan", "reclaim",
                                                                         "engine_overhead"))
             if cm is on:
-                want = ov.step_s(kern, LLAMA.num_layers, plan.num_decode, plan.num_prefill, True, True)
+                want = ov.step_s(kern, LLAMA.num_layers, plan.num_decode, plan.num_prefill, True, True,
+                                 eng.decode_graphed(plan.num_decode, plan.num_prefill))
+                graphed += bool(eng.decode_graphed(plan.num_decode, plan.num_prefill))
                 assert r.duration_s == pytest.approx(float(want) + r.breakdown["host"], rel=1e-9)
             else:
                 assert "engine_overhead" not in r.breakdown
-    assert n > 0
+    assert n > 0 and graphed > 0  # both kinds of step were priced
 
 
 def test_calibrate_engine_cli_on_cpu(tmp_path):

@@ -62,7 +62,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="dynamic mode's per-head keep: topk (global top-k of the scores), profile (drawn from the "
                         "budget profile; for random weights, whose scores have no head structure) or auto "
                         "(profile with random weights, else topk)")
-    p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower)")
+    p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower; every step "
+                   "eager)")
+    p.add_argument("--cuda-graph-max-bs", type=int,
+                   help="largest decode batch replayed from a captured CUDA graph (default 64; 0 = every step eager)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
     p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-plots", action="store_true")
@@ -99,6 +102,8 @@ def resolve(args) -> dict:
         kw["kv_pool_bytes"] = int(args.kv_pool_gib * 2**30)
     if args.max_num_seqs is not None:
         kw["max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "cuda_graph_max_bs", None) is not None:
+        kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     if kw:
         spec.engine = spec.engine.with_(**kw)
     cfg = json.loads(Path(args.config).read_text()) if args.config else {}
@@ -153,13 +158,49 @@ def _mini_trace(engine):
     return Trace(turns)
 
 
+def max_session_tokens(trace) -> int:
+    """The longest session's tokens (every turn's prompt and output): what one block table can hold at most."""
+    tot: dict[str, int] = {}
+    for t in trace.turns:
+        tot[t.session_id] = tot.get(t.session_id, 0) + t.new_tokens + t.output_tokens
+    return max(tot.values(), default=1)
+
+
+class GcPauses:
+    """Seconds the run spent in Python's garbage collector (a host stall inside whatever step it hit)."""
+
+    def __init__(self):
+        self.s, self.n, self._t = 0.0, 0, 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.s += time.perf_counter() - self._t
+            self.n += 1
+
+    def __enter__(self):
+        import gc
+
+        gc.collect()
+        gc.freeze()  # the model, pool and tables are long-lived: later collections need not scan them
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self)
+        gc.unfreeze()
+
+
 def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
              tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk",
-             wrap=None) -> tuple[dict, object, dict]:
+             wrap=None, cuda_graphs: str = "auto") -> tuple[dict, object, dict]:
     """Serve the trace in one mode; returns (summary, ClusterResult, leak check).
 
     ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
-    each step's plan and measured time through it)."""
+    each step's plan and measured time through it). Decode graphs are captured before the clock starts."""
     import torch
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -169,8 +210,9 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
 
     engine = spec.engine.with_(mode=mode)
     pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
+    max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
-                           dynamic_keep=dynamic_keep)
+                           dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx)
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)
@@ -180,15 +222,30 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         opts = dataclasses.replace(opts, n_occ=n_occ)
     sched = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
     exe = Executor(model, sched, TokenSource.from_trace(trace, spec.model.vocab, seed, tokenizer), opts)
-    t = time.perf_counter()
-    res = Cluster(trace, [(sched, wrap(exe) if wrap is not None else exe)], spec.router, progress=progress).run()
-    wall = time.perf_counter() - t
+    if not time_ops:
+        exe.capture_graphs(max_ctx)
+    g0 = dataclasses.replace(exe.graphs.stats) if exe.graphs is not None else None
+    with GcPauses() as gcp:
+        t = time.perf_counter()
+        res = Cluster(trace, [(sched, wrap(exe) if wrap is not None else exe)], spec.router,
+                      progress=progress).run()
+        wall = time.perf_counter() - t
     leak = leak_check(sched)
     summ = summarize(res, engine, [_EngineCost(exe.n_occ, str(torch.cuda.get_device_name(device))
                                                if device.type == "cuda" else "cpu")])
     summ.update({"wall_s": wall, "kv_pool_bytes": pool_b, "kv_pool_pages": sched.pool.num_pages,
                  "leak_check": leak, "leak_ok": leak["ok"],
-                 "dynamic_keep": dynamic_keep if engine.retention == "global" else None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30})
+                 "dynamic_keep": dynamic_keep if engine.retention == "global" else None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30,
+                 "gc_pauses": {"count": gcp.n, "seconds": gcp.s}})
+    if exe.graphs is not None:
+        gs = exe.graphs.stats
+        summ["cuda_graphs"] = {"emulated": exe.graphs.emulate, "max_batch": engine.graph_max_batch,
+                               "captured_before_run": g0.captures, "capture_before_run_s": g0.capture_s,
+                               "captured_in_run": gs.captures - g0.captures,
+                               "capture_in_run_s": gs.capture_s - g0.capture_s,
+                               "replays": gs.replays, "regrows": gs.regrows}
+    else:
+        summ["cuda_graphs"] = None
     del exe
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -28,6 +28,11 @@ same tokens; the chunk at logical position ``start`` is ``stream[start:start+c]`
 and a decode row feeds ``stream[ctx-1]``. EOS is ignored: the scheduler ends a
 turn after exactly its ``output_tokens``.
 
+Pure-decode steps whose batch fits a captured bucket replay a CUDA graph of the whole decode forward
+(:mod:`tangram.engine.cuda_graphs`; ``ExecutorOptions.cuda_graphs``); steps with prefill chunks, the
+``runtime`` partition and ``time_ops`` runs stay eager. Padded graph rows write into one scratch page past the
+scheduler's pool.
+
 ``duration_s`` is the measured wall time of the step (``torch.cuda.synchronize``
 at the end) plus the scheduler's host time for it when the scheduler is a
 :class:`TimedScheduler`.
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from tangram.config import EngineConfig
+from tangram.engine.cuda_graphs import DecodeGraphs, StaticBuffers, context_bucket
 from tangram.engine.kv_cache import KVCache
 from tangram.engine.model import AttnContext, Transformer
 from tangram.engine.sampling import Sampler, SamplingParams
@@ -112,6 +118,11 @@ class ExecutorOptions:
     # attention structure, so their global top-k is near-uniform across heads; labelled in reports)
     dynamic_keep: str = "topk"
     record_logits: bool = False  # keep (rid, position, logits) of every sampled row (tests)
+    # pure-decode steps up to EngineConfig.cuda_graph_max_bs through captured graphs: "auto" (on CUDA), "off",
+    # or "emulate" (the static-buffer path without capture, for CPU tests of its padding and buffers)
+    cuda_graphs: str = "auto"
+    graph_max_context: int | None = None  # tokens the static block tables hold per table (None: the block
+    # table's width at start, regrown on demand); tangram-bench passes the trace's longest session
 
 
 class _Ops:
@@ -165,7 +176,8 @@ class Executor:
         self.device, self.dtype = p.device, p.dtype
         self.cuda = self.device.type == "cuda"
         lay = sched.layout
-        self.cache = KVCache(lay, sched.pool.num_pages, self.dtype, self.device)
+        self.scratch_page = sched.pool.num_pages  # one page past the scheduler's pool, for padded graph rows
+        self.cache = KVCache(lay, sched.pool.num_pages + 1, self.dtype, self.device)
         self.hp, self.G, self.P = lay.heads_per_group, lay.n_groups, lay.page_size
         self.mode, self.retention = self.engine.mode, sched.retention
         self.partition = self.engine.partition
@@ -195,6 +207,19 @@ class Executor:
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
             raise ConfigError("dynamic_keep='profile' needs a budget profile")
         self._rng = np.random.default_rng(self.opts.sampling.seed + 17)
+        self.graphs: DecodeGraphs | None = None
+        cg = self.opts.cuda_graphs
+        if cg not in ("auto", "off", "emulate"):
+            raise ConfigError(f"cuda_graphs must be auto, off or emulate, got {cg!r}")
+        if ((cg == "auto" and self.cuda) or cg == "emulate") and self.engine.graph_max_batch:
+            P = self.P
+            width = (self.sched.bt.pages.shape[2] if self.opts.graph_max_context is None
+                     else -(-int(self.opts.graph_max_context) // P) + 1)
+            self.graphs = DecodeGraphs(
+                max_bs=self.engine.graph_max_batch, n_tables=lay.n_tables,
+                num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads, hidden=self.cfg.hidden,
+                dtype=self.dtype, device=self.device, scratch_page=self.scratch_page, width=width,
+                body=self._decode_body, emulate=not self.cuda)
 
     # ------------------------------------------------------------------ setup
     def _measure_n_occ(self) -> int:
@@ -225,18 +250,51 @@ class Executor:
     def forget_session(self, sid: str) -> None:
         self.streams.pop(sid, None)
 
+    # ------------------------------------------------------------------ graphs
+    def graph_keys(self, max_context: int) -> list[tuple[int, int]]:
+        """Every (batch bucket, context bucket) a run with contexts up to ``max_context`` tokens can replay."""
+        if self.graphs is None:
+            return []
+        ctxs = [0]
+        if self.partition == "static":
+            ctxs, c = [], context_bucket(1)
+            while True:
+                ctxs.append(c)
+                if c >= context_bucket(max_context):
+                    break
+                c *= 2
+        return [(b, c) for b in self.graphs.buckets for c in ctxs]
+
+    def capture_graphs(self, max_context: int) -> None:
+        """Capture ahead of a run (tangram-bench does, before its clock starts)."""
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture(self.graph_keys(max_context))
+
+    def _decode_body(self, bufs: StaticBuffers, bs: int, ctx: int) -> None:
+        """The captured decode forward: reads ``bufs[:bs]`` only, so a replay sees the next step's inputs."""
+        tables, lens = bufs.tables[:bs], bufs.lens[:bs]
+        st = {"kd": bs, "kp": 0, "bounds": [bs], "ops": _Ops(False, self.cuda), "dec_tables": tables,
+              "dec_lens": lens}
+        st["dec_page"], st["dec_off"] = self.cache.decode_slots(tables, lens)
+        if self.partition == "aot":
+            st["sched"] = [self.aot.lookup(l, bs) for l in range(self.cfg.num_layers)]
+        else:
+            st["max_len"] = [ctx] * self.cfg.num_layers
+        x = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
+        bufs.hidden[:bs].copy_(self.model.model.norm(x[0]))
+
+    def _use_graph(self, kd: int, kp: int) -> bool:
+        return self.graphs is not None and not self.opts.time_ops and bool(self.engine.decode_graphed(kd, kp))
+
     # ------------------------------------------------------------------ step
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        t0 = time.perf_counter()
-        ops = _Ops(self.opts.time_ops, self.cuda)
-        kd, kp = plan.num_decode, plan.num_prefill
-        L, H = self.cfg.num_layers, self.cfg.num_kv_heads
+    def _gather(self, plan: StepPlan) -> tuple[list[int], list[int], list[int]]:
+        """Token ids and positions of the step's rows (decode rows first, then each chunk), chunk bounds."""
         ids, pos = [], []
         for rid, ctx in zip(plan.decode_ids.tolist(), plan.decode_ctx.tolist()):
             ids.append(self._stream(rid)[ctx - 1])
             pos.append(ctx - 1)
-        bounds = [kd]
+        bounds = [plan.num_decode]
         for rid, st, c in zip(plan.prefill_ids.tolist(), plan.prefill_start.tolist(), plan.prefill_tokens.tolist()):
             s = self._stream(rid)
             if st + c > len(s):
@@ -244,9 +302,24 @@ class Executor:
             ids.extend(s[st:st + c])
             pos.extend(range(st, st + c))
             bounds.append(bounds[-1] + c)
+        return ids, pos, bounds
+
+    def _layers(self, tok_t: torch.Tensor, pos_t: torch.Tensor, st: dict) -> torch.Tensor:
+        m = self.model
+        x = m.model.embed_tokens(tok_t)[None]
+        cos, sin = m.rope(pos_t, x.dtype)
+        ctx = AttnContext(pos_t, {"step": st})
+        for layer in m.model.layers:
+            x = layer(x, cos, sin, self._attention, ctx)
+        return x
+
+    def _forward_eager(self, plan: StepPlan, ids, pos, bounds, last, ops: _Ops) -> tuple[torch.Tensor, dict, float]:
+        """The step's forward issued op by op; returns (final hidden of the sampling rows, step state, host
+        planning seconds)."""
+        kd, kp = plan.num_decode, plan.num_prefill
+        L, H = self.cfg.num_layers, self.cfg.num_kv_heads
         tok_t = self.cache.to_device(np.asarray(ids, dtype=np.int64))
         pos_t = self.cache.to_device(np.asarray(pos, dtype=np.int64))
-
         st = {"kd": kd, "kp": kp, "bounds": bounds, "ops": ops}
         host_plan_s = 0.0
         if kd:
@@ -272,19 +345,36 @@ class Executor:
                 st["dyn_keep"] = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64),
                                             plan.prefill_keep)
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
-        ops.start("forward")
-        m = self.model
-        x = m.model.embed_tokens(tok_t)[None]
-        cos, sin = m.rope(pos_t, x.dtype)
-        ctx = AttnContext(pos_t, {"step": st})
-        for layer in m.model.layers:
-            x = layer(x, cos, sin, self._attention, ctx)
+        x = self._layers(tok_t, pos_t, st)
         # logits only for the rows that sample: decode rows and the last token of completing chunks
-        last = [bounds[i + 1] - 1 for i in range(kp) if plan.prefill_last[i]]
         rows = self.cache.to_device(np.asarray(list(range(kd)) + last, dtype=np.int64))
+        return self.model.model.norm(x[0].index_select(0, rows)), st, host_plan_s
+
+    def _forward_graph(self, plan: StepPlan, ids, pos) -> torch.Tensor:
+        rows = plan.decode_rows
+        pages = self.sched.bt.pages
+        w = max(1, int(self.sched.bt.npages[rows].max()))
+        ctx = context_bucket(int(plan.decode_head_lens.max())) if self.partition == "static" else 0
+        return self.graphs.run(np.asarray(ids), np.asarray(pos), pages[rows, :, :w], plan.decode_head_lens, ctx,
+                               self.cache.to_device)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        ops = _Ops(self.opts.time_ops, self.cuda)
+        kd, kp = plan.num_decode, plan.num_prefill
+        ids, pos, bounds = self._gather(plan)
+        last = [bounds[i + 1] - 1 for i in range(kp) if plan.prefill_last[i]]
+        host_plan_s, st = 0.0, {}
+        graphed = self._use_graph(kd, kp)
+        captures0 = self.graphs.stats.capture_s if self.graphs is not None else 0.0
+        ops.start("forward")
+        if graphed:
+            h = self._forward_graph(plan, ids, pos)
+        else:
+            h, st, host_plan_s = self._forward_eager(plan, ids, pos, bounds, last, ops)
         ops.start("lm_head_sampling")
-        h = m.model.norm(x[0].index_select(0, rows))
-        logits = m.lm_head(h).float()
+        logits = self.model.lm_head(h).float()
         toks = self.sampler(logits)
         ops.stop("lm_head_sampling")
         ops.stop("forward")
@@ -305,7 +395,12 @@ class Executor:
         breakdown = {"host": host_s}
         if host_plan_s:
             breakdown["runtime_plan"] = host_plan_s
-        if self.opts.time_ops:
+        if graphed:
+            cap = self.graphs.stats.capture_s - captures0
+            if cap:
+                breakdown["graph_capture"] = cap
+            breakdown["engine_graph"] = gpu_s - cap
+        elif self.opts.time_ops:
             tot = ops.totals()
             fwd = tot.pop("forward", 0.0)
             breakdown.update(tot)

@@ -1,0 +1,181 @@
+"""CUDA graphs for pure-decode steps: one captured forward per (batch bucket, split bucket), replayed every step.
+
+An eager decode step of an 8B model issues ~1,500 launches from Python and took 35-45 ms on the H100 for a few
+requests whose kernels need ~6 ms (reports/engine/README.md), so the engine measured its host, not the
+technique. As in vLLM and nano-vllm, a decode step whose batch fits a captured bucket copies its inputs into
+static device buffers and replays the graph; steps with prefill chunks stay eager.
+
+What a graph freezes at capture, and how each mode keeps it valid:
+
+* the batch: rows are padded to the bucket (powers of two up to ``max_bs``); a padded row reads and writes one
+  token of a scratch page that the scheduler never hands out, so it cannot touch live KV;
+* the table width: static ``[max_bs, T, W]`` block tables; a step copies only its rows' used pages, and a step
+  needing more than ``W`` pages per table regrows the buffers (the graphs are dropped and recaptured, timed);
+* the decode partition: ``aot`` already takes one precomputed schedule per batch bucket (no per-step input);
+  ``static`` (FlashDecoding's num_splits from the longest head) gets its split count from the step's longest
+  context rounded up to a power of two, so each (bucket, context bucket) is its own graph: the bucketed-split
+  FlashDecoding that graph-captured engines run. ``runtime`` (a host plan per step) is not captured.
+
+``emulate=True`` runs the same static-buffer path without capture (CPU tests): the captured callable is built
+once per key and replays read only the static buffers, as a real graph does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tangram.kernels import batch_bucket
+
+MIN_CONTEXT_BUCKET = 1024
+
+
+def context_bucket(max_len: int) -> int:
+    """Power-of-two bucket (>= 1024 tokens) of a step's longest head, the static partition's graph key."""
+    return max(MIN_CONTEXT_BUCKET, batch_bucket(max(1, int(max_len))))
+
+
+@dataclass
+class StaticBuffers:
+    """Device inputs and output of every decode graph (graphs of smaller buckets use the leading rows)."""
+
+    tokens: torch.Tensor  # [max_bs] int64
+    pos: torch.Tensor  # [max_bs] int64 (position of the fed token = lens_after of its sequence - 1)
+    tables: torch.Tensor  # [max_bs, T, W] int32
+    lens: torch.Tensor  # [max_bs, L, H] int32 (slot order, after this step's token)
+    hidden: torch.Tensor  # [max_bs, hidden] final-norm output, the lm_head's input
+
+    @property
+    def width(self) -> int:
+        return int(self.tables.shape[2])
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    capture_s: float = 0.0
+    replays: int = 0
+    regrows: int = 0
+    keys: list = field(default_factory=list)
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one executor, keyed by (batch bucket, context bucket or 0)."""
+
+    def __init__(self, *, max_bs: int, n_tables: int, num_layers: int, num_kv_heads: int, hidden: int,
+                 dtype: torch.dtype, device: torch.device, scratch_page: int, width: int,
+                 body: Callable[[StaticBuffers, int, int], None], emulate: bool = False):
+        self.max_bs = batch_bucket(max_bs)
+        self.buckets = [1 << i for i in range(self.max_bs.bit_length())]
+        self.T, self.L, self.H, self.hidden_size = n_tables, num_layers, num_kv_heads, hidden
+        self.dtype, self.device = dtype, device
+        self.scratch = scratch_page
+        self.body = body  # body(bufs, bs, ctx_bucket): the forward reading bufs[:bs], writing bufs.hidden[:bs]
+        self.emulate = emulate or device.type != "cuda"
+        self.stats = GraphStats()
+        self._graphs: dict[tuple[int, int], object] = {}
+        self._pool = None
+        self.bufs = self._alloc(max(1, int(width)))
+
+    # ------------------------------------------------------------------ buffers
+    def _alloc(self, width: int) -> StaticBuffers:
+        d, n = self.device, self.max_bs
+        return StaticBuffers(
+            tokens=torch.zeros(n, dtype=torch.long, device=d),
+            pos=torch.zeros(n, dtype=torch.long, device=d),
+            tables=torch.full((n, self.T, width), self.scratch, dtype=torch.int32, device=d),
+            lens=torch.ones((n, self.L, self.H), dtype=torch.int32, device=d),
+            hidden=torch.zeros((n, self.hidden_size), dtype=self.dtype, device=d),
+        )
+
+    def _park_rows(self, lo: int, hi: int) -> None:
+        """Rows [lo, hi) feed token 0 at position 0 into the scratch page (a padded row, or capture warm-up)."""
+        b = self.bufs
+        b.tokens[lo:hi] = 0
+        b.pos[lo:hi] = 0
+        b.tables[lo:hi, :, 0] = self.scratch
+        b.lens[lo:hi] = 1
+
+    def bucket(self, batch: int) -> int | None:
+        bs = batch_bucket(batch)
+        return bs if bs <= self.max_bs else None
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, bs: int, ctx: int) -> object:
+        t = time.perf_counter()
+        self._park_rows(0, self.max_bs)  # capture runs the forward: keep its KV writes in the scratch page
+        if self.emulate:
+            self.body(self.bufs, bs, ctx)  # what a real capture's warm-up does (compiles, fills caches)
+            bufs = self.bufs
+            graph = (lambda bs=bs, ctx=ctx: self.body(bufs, bs, ctx))
+        else:
+            s = torch.cuda.Stream(self.device)
+            s.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(s):  # warm-up off the capture: Triton compiles, lazy schedule tables fill
+                self.body(self.bufs, bs, ctx)
+                self.body(self.bufs, bs, ctx)
+            torch.cuda.current_stream(self.device).wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.body(self.bufs, bs, ctx)
+            if self._pool is None:
+                self._pool = graph.pool()
+            torch.cuda.synchronize(self.device)
+        self._graphs[(bs, ctx)] = graph
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t
+        self.stats.keys.append((bs, ctx))
+        return graph
+
+    def capture(self, keys) -> None:
+        """Capture ahead of the run (largest batch first, so smaller graphs reuse its memory pool)."""
+        for bs, ctx in sorted(set(keys), reverse=True):
+            if (bs, ctx) not in self._graphs:
+                self._capture(bs, ctx)
+
+    def _regrow(self, width: int) -> None:
+        """A table needs more pages than the static buffers hold: reallocate (next power of two) and drop the
+        graphs, which point at the old buffers; they are recaptured on demand."""
+        self._graphs.clear()
+        self._pool = None
+        self.bufs = self._alloc(1 << (int(width) - 1).bit_length())
+        self.stats.regrows += 1
+
+    # ------------------------------------------------------------------ step
+    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: np.ndarray, lens: np.ndarray, ctx: int,
+            to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
+        """One decode step of ``kd = len(tokens)`` rows: inputs into the static buffers, replay, the rows'
+        final hidden states ``[kd, hidden]`` (valid until the next replay)."""
+        kd = len(tokens)
+        bs = self.bucket(kd)
+        w = tables.shape[2]
+        if w > self.bufs.width:
+            self._regrow(w)
+        b = self.bufs
+        packed = to_device(np.concatenate([tokens.astype(np.int64), pos.astype(np.int64)]))
+        b.tokens[:kd].copy_(packed[:kd])
+        b.pos[:kd].copy_(packed[kd:])
+        b.tables[:kd, :, :w].copy_(to_device(tables.astype(np.int32, copy=False)))
+        b.lens[:kd].copy_(to_device(lens.astype(np.int32, copy=False)))
+        if kd < bs:
+            self._park_rows(kd, bs)
+        graph = self._graphs.get((bs, ctx)) or self._capture_in_step(bs, ctx, kd, tokens, pos, tables, lens,
+                                                                       to_device)
+        graph() if self.emulate else graph.replay()
+        self.stats.replays += 1
+        return b.hidden[:kd]
+
+    def _capture_in_step(self, bs, ctx, kd, tokens, pos, tables, lens, to_device):
+        """A key nobody captured ahead: capture now (its time lands in this step) and restore the inputs, which
+        the capture overwrote with scratch rows."""
+        graph = self._capture(bs, ctx)
+        b = self.bufs
+        w = tables.shape[2]
+        b.tokens[:kd].copy_(to_device(tokens.astype(np.int64)))
+        b.pos[:kd].copy_(to_device(pos.astype(np.int64)))
+        b.tables[:kd, :, :w].copy_(to_device(tables.astype(np.int32, copy=False)))
+        b.lens[:kd].copy_(to_device(lens.astype(np.int32, copy=False)))
+        return graph
