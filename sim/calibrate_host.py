@@ -48,7 +48,6 @@ def _drive(mode: str, hp: int, steps: int, rng: np.random.Generator, model, prof
     X, y = [], []
     rid, nxt_sess = 0, 0
     active: dict[str, int] = {}  # session -> turns left
-    L, H = model.num_layers, model.num_kv_heads
     for _ in range(steps):
         while len(active) < 24:  # keep a steady population of sessions
             sid = f"s{nxt_sess}"

@@ -11,7 +11,7 @@ import math
 import sys
 from pathlib import Path
 
-from tangram.config import ABLATION_MODES, MODES, EngineConfig, get_gpu, get_model
+from tangram.config import MODES, EngineConfig, get_gpu, get_model
 from tangram.errors import ConfigError, InputError, cli_errors, parse_cli
 
 DEFAULT_OUT = "tangram-sim-out"

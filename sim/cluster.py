@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-import numpy as np
 import simpy
 
 from tangram.metrics import RequestRecord

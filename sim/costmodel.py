@@ -10,8 +10,7 @@ numpy over the step's rows and heads (no Python loop over requests or heads).
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np

@@ -32,7 +32,6 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
         lines += ["## Share of busy GPU+host time by operator", "",
                   markdown_table({mode: m.get("share_of_busy", {}) for mode, m in metrics.items()}, ops)]
     lines += ["## Cost model source per operator", ""]
-    first = next(iter(metrics.values()))
     srcs = {}
     for mode, m in metrics.items():
         for op, s in m["cost_model_source"].items():

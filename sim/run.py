@@ -9,7 +9,7 @@ import numpy as np
 from tangram.budgets import BudgetProfile, synthetic_profile
 from tangram.config import EngineConfig, GPUConfig, ModelConfig, kv_pool_bytes
 from tangram.errors import ConfigError
-from tangram.metrics import RequestRecord, latency_summary, time_weighted_mean
+from tangram.metrics import latency_summary, time_weighted_mean
 from tangram.scheduler import Scheduler
 
 from .cluster import Cluster, ClusterResult

@@ -229,3 +229,36 @@ def test_graph_bucket_rules():
     assert EngineConfig(mode="full", max_num_seqs=5).graph_max_batch == 8
     from tangram.engine.cuda_graphs import context_bucket
     assert [context_bucket(n) for n in (1, 1024, 1025, 5000)] == [1024, 1024, 2048, 8192]
+
+
+def test_run_diagnostics_hooks_restore_and_record(tiny):
+    """tangram-bench's in-run diagnostics: Triton compile hooks are installed only during the run and record
+    what Triton passes them; GC pauses are counted; metrics carry both."""
+    import gc
+
+    from triton import knobs
+
+    from tangram.engine.bench import GcPauses, TritonCompiles
+
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    with TritonCompiles() as tc, GcPauses() as gp:
+        assert knobs.runtime.jit_post_compile_hook is not None
+        info = type("Fn", (), {"name": "_k"})()
+        kw = dict(key=("k",), repr="_k[...](c: i32)", fn=info, compile={}, is_manual_warmup=False,
+                  already_compiled=False)
+        assert not knobs.runtime.jit_cache_hook(**kw)
+        knobs.runtime.jit_post_compile_hook(**kw)
+        gc.collect()
+    assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
+    s = tc.summary()
+    assert s["count"] == 1 and s["first"][0]["kernel"] == "_k" and s["first"][0]["s"] >= 0
+    assert gp.n >= 1 and gp.s >= 0
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    spec = SimSpec(cfg, get_gpu("h100"), engine("tangram"), prof)
+    summ, _, _ = run_mode(small_trace(sessions=2), spec, "tangram", model, device=CPU, warmup=False,
+                          cuda_graphs="emulate")
+    assert summ["triton_compiles_in_run"]["count"] == 0  # reference kernels: nothing compiles
+    assert summ["gc_pauses"]["count"] >= 0
+    g = summ["cuda_graphs"]
+    assert g["emulated"] and g["captured_before_run"] > 0 and g["captured_in_run"] == 0 and g["replays"] > 0

@@ -194,6 +194,43 @@ class GcPauses:
         gc.unfreeze()
 
 
+class TritonCompiles:
+    """Triton kernels compiled while the clock runs (a new specialisation of an integer argument or pointer
+    alignment costs a compile inside some step): kernel, argument classes and seconds, from Triton's JIT hooks."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+        self._t0: dict = {}
+        self._prev = None
+
+    def _before(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        self._t0[id(key)] = time.perf_counter()
+        return None  # falsy: compile as usual
+
+    def _after(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        t0 = self._t0.pop(id(key), None)
+        self.items.append({"kernel": fn.name, "signature": repr,
+                           "s": None if t0 is None else time.perf_counter() - t0})
+        return None
+
+    def summary(self, keep: int = 20) -> dict:
+        return {"count": len(self.items), "seconds": sum(i["s"] or 0.0 for i in self.items),
+                "first": self.items[:keep]}
+
+    def __enter__(self):
+        from triton import knobs
+
+        rt = knobs.runtime
+        self._prev = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+        rt.jit_cache_hook, rt.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._prev
+
+
 def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
              tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk",
              wrap=None, cuda_graphs: str = "auto") -> tuple[dict, object, dict]:
@@ -225,7 +262,7 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     if not time_ops:
         exe.capture_graphs(max_ctx)
     g0 = dataclasses.replace(exe.graphs.stats) if exe.graphs is not None else None
-    with GcPauses() as gcp:
+    with GcPauses() as gcp, TritonCompiles() as tc:
         t = time.perf_counter()
         res = Cluster(trace, [(sched, wrap(exe) if wrap is not None else exe)], spec.router,
                       progress=progress).run()
@@ -236,7 +273,7 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     summ.update({"wall_s": wall, "kv_pool_bytes": pool_b, "kv_pool_pages": sched.pool.num_pages,
                  "leak_check": leak, "leak_ok": leak["ok"],
                  "dynamic_keep": dynamic_keep if engine.retention == "global" else None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30,
-                 "gc_pauses": {"count": gcp.n, "seconds": gcp.s}})
+                 "gc_pauses": {"count": gcp.n, "seconds": gcp.s}, "triton_compiles_in_run": tc.summary()})
     if exe.graphs is not None:
         gs = exe.graphs.stats
         summ["cuda_graphs"] = {"emulated": exe.graphs.emulate, "max_batch": engine.graph_max_batch,

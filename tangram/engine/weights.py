@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
