@@ -228,8 +228,9 @@ def _check_prefill(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_hea
 
 def prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_head, *, page_size: int,
                       heads_per_group: int, sm_scale: float | None = None, block_m: int = 64, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 2):
-    """Attention output [c, Hq, d] and base-2 LSE [Hq, c] (fp32) of one chunk."""
+                      num_warps: int = 4, num_stages: int = 2, head_to_slot: torch.Tensor | None = None):
+    """Attention output [c, Hq, d] and base-2 LSE [Hq, c] (fp32) of one chunk (``head_to_slot``: the inverse
+    of ``slot_to_head`` as int32, if the caller keeps it; else computed here)."""
     c, Hq, H, d = _check_prefill(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_head, page_size,
                                  heads_per_group)
     gq = Hq // H
@@ -242,7 +243,8 @@ def prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_
         lse = _lse_from_reference(q, k_new, kv_pool, block_table, head_lens, slot_to_head, page_size,
                                   heads_per_group, scale)
         return o.to(q.dtype), lse
-    head_to_slot = torch.argsort(slot_to_head.long()).to(torch.int32)
+    if head_to_slot is None:
+        head_to_slot = torch.argsort(slot_to_head.long()).to(torch.int32)
     out = torch.empty_like(q)
     lse = torch.empty((Hq, c), device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(c, block_m), Hq)
@@ -279,7 +281,7 @@ def _lse_from_reference(q, k_new, kv_pool, block_table, head_lens, slot_to_head,
 
 
 def snapkv_scores(q, k_new, lse, slot_to_head, *, sm_scale: float | None = None, window: int = 32,
-                  pool_kernel: int = 7) -> torch.Tensor:
+                  pool_kernel: int = 7, head_to_slot: torch.Tensor | None = None) -> torch.Tensor:
     """Importance [H, c] (fp32, slot order) of each new token from the last w queries' probabilities."""
     c, Hq, d = q.shape
     H = k_new.shape[1]
@@ -288,7 +290,8 @@ def snapkv_scores(q, k_new, lse, slot_to_head, *, sm_scale: float | None = None,
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if runs_triton(q):
         raw = torch.empty((H, c), device=q.device, dtype=torch.float32)
-        head_to_slot = torch.argsort(slot_to_head.long()).to(torch.int32)
+        if head_to_slot is None:
+            head_to_slot = torch.argsort(slot_to_head.long()).to(torch.int32)
         block_n = 64
         _snapkv_score_kernel[(H, triton.cdiv(c, block_n))](
             q, k_new, lse, head_to_slot, raw, c, w, scale * LOG2E,
@@ -307,8 +310,13 @@ def snapkv_scores(q, k_new, lse, slot_to_head, *, sm_scale: float | None = None,
     return s[slot_to_head.long()]
 
 
-def select_keep(scores: torch.Tensor, keep_counts=None, global_keep: int | None = None):
-    """Keep mask [H, c] and counts [H] (int32): per-head top-k_h, or global top-k (dynamic mode)."""
+def select_keep(scores: torch.Tensor, keep_counts=None, global_keep: int | None = None,
+                counts: torch.Tensor | None = None):
+    """Keep mask [H, c] and counts [H] (int32): per-head top-k_h, or global top-k (dynamic mode).
+
+    ``counts``: ``keep_counts`` (already clipped to c) as an int32 tensor on the scores' device. The engine
+    uploads a whole step's counts once through pinned memory and passes each row here, because uploading a
+    numpy array with a plain ``.to(device)`` synchronises the stream, once per layer and chunk otherwise."""
     H, c = scores.shape
     keep = torch.zeros((H, c), dtype=torch.bool, device=scores.device)
     if global_keep is not None:
@@ -324,7 +332,8 @@ def select_keep(scores: torch.Tensor, keep_counts=None, global_keep: int | None 
     if k.size != H or np.any(k < 0):
         raise ConfigError(f"select_keep: keep_counts must be {H} non-negative ints, got {k.tolist()}")
     kmax = int(k.max()) if k.size else 0
-    counts = torch.from_numpy(k.astype(np.int32)).to(scores.device)
+    if counts is None:
+        counts = torch.from_numpy(k.astype(np.int32)).to(scores.device)
     if kmax > 0:
         idx = scores.topk(kmax, dim=1).indices
         if np.all(k == kmax):

@@ -262,3 +262,31 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
     assert summ["gc_pauses"]["count"] >= 0
     g = summ["cuda_graphs"]
     assert g["emulated"] and g["captured_before_run"] > 0 and g["captured_in_run"] == 0 and g["replays"] > 0
+
+
+def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
+    """Per-head keep counts reach select_keep as device tensors from one pinned copy per step: a numpy array
+    uploaded with a plain ``.to(device)`` inside the layer loop would synchronise the stream once per layer and
+    chunk on the GPU (the host could no longer run ahead of the kernels)."""
+    import tangram.engine.executor as ex
+    from tangram.kernels import select_keep as real
+
+    calls = []
+
+    def spy(scores, keep_counts=None, global_keep=None, counts=None):
+        calls.append(counts is not None or global_keep is not None)
+        mask, got = real(scores, keep_counts, global_keep, counts)
+        if counts is not None:  # same selection as uploading the counts here
+            ref_mask, ref_counts = real(scores, keep_counts)
+            assert torch.equal(mask, ref_mask) and torch.equal(got, ref_counts)
+        return mask, got
+
+    monkeypatch.setattr(ex, "select_keep", spy)
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    for mode in ("tangram", "uniform", "dynamic"):
+        spec = SimSpec(cfg, get_gpu("h100"), engine(mode), prof)
+        summ, _, leak = run_mode(small_trace(sessions=2), spec, mode, model, device=CPU, warmup=False,
+                                 dynamic_keep="profile" if mode == "dynamic" else "topk")
+        assert summ["completed"] == 4 and leak["ok"]
+    assert calls and all(calls)

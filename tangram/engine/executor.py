@@ -340,10 +340,16 @@ class Executor:
             st["pf_tables"] = self.cache.tables(self.sched.bt.pages[plan.prefill_rows])
             st["pf_lens"] = self.cache.to_device(plan.prefill_head_lens.astype(np.int32))
             st["plan_keep"] = plan.prefill_keep
+            keep = None
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
                 r = self.sched.layout.to_slots(self.sched.profile.sample_retention(self._rng, kp))
-                st["dyn_keep"] = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64),
-                                            plan.prefill_keep)
+                keep = st["dyn_keep"] = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64),
+                                                   plan.prefill_keep)
+            elif self.retention not in ("full", "global"):
+                keep = plan.prefill_keep
+            if keep is not None:  # every layer's per-head counts in one pinned copy (no per-layer stream sync)
+                keep = np.minimum(keep, plan.prefill_tokens[:, None, None])
+                st["keep_np"], st["keep_dev"] = keep, self.cache.to_device(keep.astype(np.int32))
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
         x = self._layers(tok_t, pos_t, st)
         # logits only for the rows that sample: decode rows and the last token of completing chunks
@@ -441,7 +447,8 @@ class Executor:
             table = self.cache.layer_table(st["pf_tables"], l)[i]
             hl = st["pf_lens"][i, l].clone()
             ops.start("prefill_attention")
-            o, lse = prefill_attention(qi, ki, vi, pool, table, hl, s2h, page_size=self.P, heads_per_group=self.hp)
+            o, lse = prefill_attention(qi, ki, vi, pool, table, hl, s2h, page_size=self.P, heads_per_group=self.hp,
+                                       head_to_slot=self.cache.head_to_slot[l])
             out[a:b] = o
             ops.stop("prefill_attention")
             ops.start("compression")
@@ -450,24 +457,19 @@ class Executor:
                 keep = torch.ones((self.cfg.num_kv_heads, c), dtype=torch.bool, device=q.device)
                 counts = None
             else:
-                scores = snapkv_scores(qi, ki, lse, s2h, window=self.opts.score_window)
-                if "dyn_keep" in st:
-                    keep, counts = select_keep(scores, st["dyn_keep"][i, l])
-                    st["realized"][i, l] = counts
-                elif self.retention == "global":
+                scores = snapkv_scores(qi, ki, lse, s2h, window=self.opts.score_window,
+                                       head_to_slot=self.cache.head_to_slot[l])
+                if "keep_dev" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
+                    keep, counts = select_keep(scores, st["keep_np"][i, l], counts=st["keep_dev"][i, l])
+                else:  # dynamic: the layer's global top-k
                     gk = int(math.ceil(self.engine.rho * self.cfg.num_kv_heads * c - 1e-9))
                     keep, counts = select_keep(scores, global_keep=gk)
+                if self.retention == "global":
                     st["realized"][i, l] = counts
-                else:
-                    keep, counts = select_keep(scores, self._keep_counts(st, i, l))
             scatter_kept(ki, vi, keep, pool, table, hl, s2h, page_size=self.P, heads_per_group=self.hp,
                          counts=counts)
             ops.stop("compression")
         return out.transpose(0, 1)[None]
-
-    @staticmethod
-    def _keep_counts(st: dict, i: int, l: int) -> np.ndarray:
-        return st["plan_keep"][i, l]
 
     # ------------------------------------------------------------------ checks
     def pages_in_use(self) -> int:

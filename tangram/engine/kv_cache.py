@@ -32,6 +32,7 @@ class KVCache:
         # slot -> KV head per layer, and its inverse, on the device once
         self.slot_to_head = torch.as_tensor(layout.perm, dtype=torch.int32, device=device)  # [L, H]
         self.perm_long = self.slot_to_head.long()
+        self.head_to_slot = torch.argsort(self.perm_long, dim=1).to(torch.int32)  # [L, H]
         self.slot_j = (torch.arange(H, device=device) % self.hp)[None, :]  # slot -> head index inside its page
 
     @property
