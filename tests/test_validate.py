@@ -31,11 +31,16 @@ def test_validate_cli_cpu(tmp_path):
     out = tmp_path / "v"
     # the 30-layer model runs on the float64 reference kernels: the Triton interpreter would take minutes here
     with cpu_reference(), pytest.raises(SystemExit) as e:
-        main(cfgs + ["--trace", str(trace), "--weights", "auto", "--out", str(out)])
+        main(cfgs + ["--trace", str(trace), "--weights", "auto", "--out", str(out), "--repeats", "2"])
     assert e.value.code == 0
     df = pd.read_csv(out / "validation.csv")
     assert list(df["config"]) == ["a", "b"] and df["leak_ok"].all()
     assert (df["throughput_rps_meas"] > 0).all() and (df["throughput_rps_pred"] > 0).all()
+    # two runs per config, the mean compared: it lies within the runs' spread, which is reported
+    assert (df["repeats"] == 2).all() and df["throughput_rps_meas_cv"].notna().all()
+    assert ((df["throughput_rps_meas_min"] <= df["throughput_rps_meas"] + 1e-12)
+            & (df["throughput_rps_meas"] <= df["throughput_rps_meas_max"] + 1e-12)).all()
+    assert "mean of 2 engine runs" in (out / "report.md").read_text()
     s = json.loads((out / "validation.json").read_text())
     assert s["kendall_tau_throughput"] is not None
     assert "Kendall tau" in (out / "report.md").read_text()

@@ -6,6 +6,11 @@ same trace runs through the simulator (``tangram.sim.run.simulate``) and through
 throughput, TTFT and TPOT percentiles with relative errors ((predicted - measured) / measured), Kendall's tau
 of predicted vs measured throughput across configs, and, per cost-model term, predicted vs measured seconds
 so a >10% miss names the operator that is off.
+
+``--repeats N`` runs the engine N times per config, round-robin over the configs (so a drift of the machine
+during the call touches every config alike), and compares the prediction with the mean of the N measurements;
+the report gives each config's spread (min, max, coefficient of variation), since a run-to-run spread above the
+tolerance makes a single measurement unable to confirm or refute the model.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ TERMS = {
     "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
     "compression": (("compression",), ("compression",)),
     "host (scheduler, reclaim, runtime plan)": (("host", "reclaim", "runtime_plan"), ("host", "runtime_plan")),
-    "step overhead (launches, copies, sync)": ((), ("step_overhead",)),
+    "step overhead (launches, copies, sync)": (("engine_overhead",), ("step_overhead",)),
 }
 
 
@@ -46,6 +51,8 @@ def _parser():
     p.add_argument("--dtype", default="auto")
     p.add_argument("--dynamic-keep", default="auto", help="as tangram-bench")
     p.add_argument("--no-time-ops", action="store_true", help="skip per-operator CUDA-event timing")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="engine runs per config, round-robin over the configs; the mean is compared (default 1)")
     p.add_argument("--out", default="reports/validation")
     return p
 
@@ -85,9 +92,11 @@ def run(a) -> dict:
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
 
+    if a.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {a.repeats}")
     device, dtype = _device_dtype(a.device, a.dtype)
     model = info = None
-    rows, terms = [], {}
+    jobs = []
     for path in a.configs:
         r = resolve(_bench_args(path, a))
         spec, trace, modes = r["spec"], r["trace"], r["modes"]
@@ -100,20 +109,38 @@ def run(a) -> dict:
         elif model.cfg.name != spec.model.name:
             raise ConfigError(f"{path}: model {spec.model.name} differs from the first config's {model.cfg.name}; "
                               "validate one model per run")
-        from tangram.engine.bench import run_mode
-
         pred, _ = simulate(trace, spec, mode)
-        meas, _, leak = run_mode(trace, spec, mode, model, device=device, seed=spec.seed,
-                                 time_ops=not a.no_time_ops, dynamic_keep=dyn)
-        name = Path(path).stem
-        row = {"config": name, "mode": mode, "H_p": spec.engine.heads_per_group, "alpha": spec.engine.alpha,
-               "leak_ok": leak["ok"]}
+        jobs.append({"name": Path(path).stem, "spec": spec, "trace": trace, "mode": mode, "pred": pred, "meas": []})
+    from tangram.engine.bench import run_mode
+
+    for rep in range(a.repeats):
+        for j in jobs:
+            meas, _, leak = run_mode(j["trace"], j["spec"], j["mode"], model, device=device, seed=j["spec"].seed,
+                                     time_ops=not a.no_time_ops, dynamic_keep=dyn)
+            meas["leak_ok"] = leak["ok"]
+            j["meas"].append(meas)
+            print(f"{j['name']} (run {rep + 1}/{a.repeats}): throughput predicted {j['pred']['throughput_rps']:.4g} "
+                  f"measured {meas['throughput_rps']:.4g} req/s", flush=True)
+    rows, terms = [], {}
+    for j in jobs:
+        spec, pred, runs = j["spec"], j["pred"], j["meas"]
+        row = {"config": j["name"], "mode": j["mode"], "H_p": spec.engine.heads_per_group, "alpha": spec.engine.alpha,
+               "leak_ok": all(m["leak_ok"] for m in runs), "repeats": len(runs)}
         for k in METRICS:
-            row[f"{k}_pred"], row[f"{k}_meas"] = pred.get(k), meas.get(k)
-            row[f"{k}_relerr"] = rel_err(pred.get(k), meas.get(k))
+            vals = [m.get(k) for m in runs if m.get(k) is not None]
+            mean = float(np.mean(vals)) if vals else None
+            row[f"{k}_pred"], row[f"{k}_meas"] = pred.get(k), mean
+            row[f"{k}_relerr"] = rel_err(pred.get(k), mean)
+        thr = np.array([m["throughput_rps"] for m in runs], dtype=float)
+        row["throughput_rps_meas_min"], row["throughput_rps_meas_max"] = float(thr.min()), float(thr.max())
+        row["throughput_rps_meas_cv"] = float(thr.std(ddof=1) / thr.mean()) if len(thr) > 1 else None
         rows.append(row)
-        terms[name] = term_table(pred.get("time_by_operator_s", {}), meas.get("time_by_operator_s", {}))
-        print(f"{name}: throughput predicted {row['throughput_rps_pred']:.4g} measured {row['throughput_rps_meas']:.4g} "
+        meas_ops: dict[str, float] = {}
+        for m in runs:
+            for k, v in m.get("time_by_operator_s", {}).items():
+                meas_ops[k] = meas_ops.get(k, 0.0) + v / len(runs)
+        terms[j["name"]] = term_table(pred.get("time_by_operator_s", {}), meas_ops)
+        print(f"{j['name']}: throughput predicted {row['throughput_rps_pred']:.4g} measured {row['throughput_rps_meas']:.4g} "
               f"req/s ({100 * row['throughput_rps_relerr']:+.1f}%)", flush=True)
     df = pd.DataFrame(rows)
     tau = None
@@ -150,6 +177,10 @@ def write_report(out: Path, df, tdf, tau, a, summary) -> None:
     cols = ["config", "mode", "H_p", "alpha"]
     for k in METRICS:
         cols += [f"{k}_pred", f"{k}_meas", f"{k}_relerr"]
+    if int(df["repeats"].max()) > 1:
+        lines[-1:-1] = [f"- measured = mean of {int(df['repeats'].max())} engine runs per config (round-robin); "
+                        "spread columns: min, max, coefficient of variation of the measured throughput"]
+        cols += ["throughput_rps_meas_min", "throughput_rps_meas_max", "throughput_rps_meas_cv"]
     lines += ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
     for _, r in df.iterrows():
         lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")

@@ -24,5 +24,5 @@ if [ "${PHASE:-both}" != validate ]; then
 fi
 python3 reports/engine/make_trace.py /tmp/vtrace.jsonl --sessions 4 --first 8000 --out-tokens 64
 timeout ${VLIMIT:-540} python3 -m tangram.tuning.validate ${CONFIGS:-reports/validation/configs/*.json} \
-  --trace /tmp/vtrace.jsonl --kv-pool-gib 2.5 --no-time-ops --out $OUT/v 2>&1 | grep -v "it/s\]" | tee $OUT/validate.log
+  --trace /tmp/vtrace.jsonl --kv-pool-gib 2.5 --no-time-ops --repeats ${REPEATS:-1} --out $OUT/v 2>&1 | grep -v "it/s\]" | tee $OUT/validate.log
 cp /tmp/vtrace.jsonl $OUT/v/trace.jsonl
