@@ -15,14 +15,16 @@ if [ "${PHASE:-bench}" = validate ]; then
   cp /tmp/vtrace.jsonl $OUT/v/trace.jsonl
   exit 0
 fi
-mkdir -p $OUT/b
-python3 reports/engine/h100_check.py $OUT/check.json 2>&1 | tee $OUT/check.log
+# TAG names this call's output folder/archive (several runs in one call); CHECK=0 skips the correctness check
+B=$OUT/${TAG:-b}
+mkdir -p $B
+[ "${CHECK:-1}" = 1 ] && python3 reports/engine/h100_check.py $OUT/check.json 2>&1 | tee $OUT/check.log
 python3 reports/engine/make_trace.py /tmp/trace.jsonl --sessions ${SESSIONS:-8} --first ${FIRST:-12000} --out-tokens ${OUTTOK:-192}
-cp /tmp/trace.jsonl $OUT/b/trace.jsonl
+cp /tmp/trace.jsonl $B/trace.jsonl
 for mode in ${MODES:-tangram br+rp dynamic br full}; do
-  d=$OUT/b/$(echo $mode | tr + _)
+  d=$B/$(echo $mode | tr + _)
   timeout ${MODE_LIMIT:-170} python3 -m tangram.engine.bench /tmp/trace.jsonl --mode $mode --model llama-3.1-8b \
     --weights random --rho 0.25 --alpha 2 --hp 4 --kv-pool-gib ${POOL:-2.5} --no-plots $EXTRA --out $d 2>&1 \
     | grep -v "it/s\]" | tee $d.log
 done
-cd $OUT && tar czf bench.tgz b && rm -rf b
+cd $OUT && tar czf ${TAG:-bench}.tgz ${TAG:-b} && rm -rf ${TAG:-b}
