@@ -256,6 +256,9 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         Cluster(_mini_trace(engine), [(ws, wx)], spec.router, record_kv=False).run()
         n_occ = wx.n_occ
         del wx, ws  # the caching allocator keeps their blocks, so the measured run does not cudaMalloc them again
+        import gc
+
+        gc.collect()  # the executor and its decode graphs form a cycle (graph body -> executor): free them now
         opts = dataclasses.replace(opts, n_occ=n_occ)
     sched = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
     exe = Executor(model, sched, TokenSource.from_trace(trace, spec.model.vocab, seed, tokenizer), opts)
@@ -284,6 +287,9 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     else:
         summ["cuda_graphs"] = None
     del exe
+    import gc
+
+    gc.collect()  # the executor <-> decode graphs cycle holds the KV pool until collected
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return summ, res, leak
