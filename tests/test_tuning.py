@@ -123,3 +123,36 @@ def test_n_jobs_spawns_workers_on_one_sqlite_study(tmp_path, tiny_trace):
     assert 5 <= len(done) <= 6  # at most n_jobs - 1 extra: the trial the other worker was running
     assert json.loads((out / "summary.json").read_text())["n_complete"] == len(done)
     assert (out / "pareto.png").is_file()  # the default objective is the two-objective Pareto study
+
+
+def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
+    """Two SQLite workers can pop the same enqueued trial; the slower one's tell then finds it COMPLETE. The
+    worker must carry on (the other stored the result) and still stop at n_trials; other errors propagate."""
+    import optuna
+
+    from tangram.tuning import study as st_mod
+
+    space = SearchSpace(heads_per_group=(1, 2, 4, 8))
+    setup = st_mod.Setup("m", "g", "t", "", "single", 0.1, 0, True, None)
+    ev = lambda params: {"load_rps": params["alpha"], "overflow": 0.0}  # noqa: E731
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    real = study.optimize
+    raised = []
+
+    def flaky(*a, **kw):
+        if not raised:  # first call: one trial completes, then the duplicate tell of another worker's trial
+            real(*a, **{**kw, "n_trials": 1})
+            raised.append(1)
+            raise ValueError("Cannot tell a COMPLETE trial.")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(study, "optimize", flaky)
+    st_mod.run_worker(study, ev, space, setup, 4)
+    assert raised and st_mod.n_complete(study) == 4
+
+    def broken(*a, **kw):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(study, "optimize", broken)
+    with pytest.raises(ValueError, match="something else"):
+        st_mod.run_worker(study, ev, space, setup, 6)

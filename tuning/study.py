@@ -175,8 +175,21 @@ def run_worker(study, evaluator: Evaluator, space: SearchSpace, setup: Setup, n_
     if progress is not None:
         cbs.append(lambda st, t: progress())
     # a trial that fails for a reason other than a kill counts against n_trials: allow a few of them
-    study.optimize(make_objective(evaluator, space, setup.objective, setup.overflow_bound),
-                   n_trials=remaining + 8, callbacks=cbs, catch=())
+    budget = remaining + 8
+    while budget > 0 and n_complete(study) < n_trials:
+        before = len(study.trials)
+        try:
+            study.optimize(make_objective(evaluator, space, setup.objective, setup.overflow_bound),
+                           n_trials=budget, callbacks=cbs, catch=())
+            return
+        except ValueError as e:
+            # Two workers can pop the same WAITING (enqueued) trial on SQLite: Optuna reads its state and marks it
+            # RUNNING in one unlocked transaction each, so both run it and the slower one's tell finds it
+            # COMPLETE. The other worker stored the same parameters' result, so nothing is lost; go on.
+            if "Cannot tell a COMPLETE trial" not in str(e):
+                raise
+            mine = [t for t in study.get_trials(deepcopy=False)[before:] if t.user_attrs.get("worker_pid") == os.getpid()]
+            budget -= max(1, len(mine))
 
 
 def fail_stale(study) -> list[int]:
