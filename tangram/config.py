@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from tangram.errors import ConfigError
 
 # --------------------------------------------------------------------------- models
@@ -207,8 +209,6 @@ class EngineConfig:
 
     def decode_graphed(self, num_decode, num_prefill):
         """Whether a step with these rows replays a decode graph (vectorised over arrays of steps)."""
-        import numpy as np
-
         kd, kp = np.asarray(num_decode), np.asarray(num_prefill)
         return (kp == 0) & (kd > 0) & (kd <= self.graph_max_batch)
 

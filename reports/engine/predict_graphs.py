@@ -28,9 +28,9 @@ PRICINGS = {"eager": ({"cuda_graph_max_bs": 0}, []), "graphs": ({}, []), "kernel
 
 
 def _markdown(df: pd.DataFrame) -> str:
-    fmt = [lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)] * len(df.columns)
+    cell = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     head = "| " + " | ".join(map(str, df.columns)) + " |\n|" + "---|" * len(df.columns)
-    body = ["| " + " | ".join(f(v) for f, v in zip(fmt, row)) + " |" for row in df.itertuples(index=False)]
+    body = ["| " + " | ".join(map(cell, row)) + " |" for row in df.itertuples(index=False)]
     return "\n".join([head, *body])
 
 

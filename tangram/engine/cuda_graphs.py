@@ -148,12 +148,14 @@ class DecodeGraphs:
     def run(self, tokens: np.ndarray, pos: np.ndarray, tables: np.ndarray, lens: np.ndarray, ctx: int,
             to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
         """One decode step of ``kd = len(tokens)`` rows: inputs into the static buffers, replay, the rows'
-        final hidden states ``[kd, hidden]`` (valid until the next replay)."""
+        final hidden states ``[kd, hidden]`` (valid until the next replay). A key nobody captured ahead is
+        captured first (its time lands in this step), since a capture overwrites the buffers with scratch rows."""
         kd = len(tokens)
         bs = self.bucket(kd)
         w = tables.shape[2]
         if w > self.bufs.width:
             self._regrow(w)
+        graph = self._graphs.get((bs, ctx)) or self._capture(bs, ctx)
         b = self.bufs
         packed = to_device(np.concatenate([tokens.astype(np.int64), pos.astype(np.int64)]))
         b.tokens[:kd].copy_(packed[:kd])
@@ -162,20 +164,6 @@ class DecodeGraphs:
         b.lens[:kd].copy_(to_device(lens.astype(np.int32, copy=False)))
         if kd < bs:
             self._park_rows(kd, bs)
-        graph = self._graphs.get((bs, ctx)) or self._capture_in_step(bs, ctx, kd, tokens, pos, tables, lens,
-                                                                       to_device)
         graph() if self.emulate else graph.replay()
         self.stats.replays += 1
         return b.hidden[:kd]
-
-    def _capture_in_step(self, bs, ctx, kd, tokens, pos, tables, lens, to_device):
-        """A key nobody captured ahead: capture now (its time lands in this step) and restore the inputs, which
-        the capture overwrote with scratch rows."""
-        graph = self._capture(bs, ctx)
-        b = self.bufs
-        w = tables.shape[2]
-        b.tokens[:kd].copy_(to_device(tokens.astype(np.int64)))
-        b.pos[:kd].copy_(to_device(pos.astype(np.int64)))
-        b.tables[:kd, :, :w].copy_(to_device(tables.astype(np.int32, copy=False)))
-        b.lens[:kd].copy_(to_device(lens.astype(np.int32, copy=False)))
-        return graph

@@ -339,12 +339,10 @@ class Executor:
         if kp:
             st["pf_tables"] = self.cache.tables(self.sched.bt.pages[plan.prefill_rows])
             st["pf_lens"] = self.cache.to_device(plan.prefill_head_lens.astype(np.int32))
-            st["plan_keep"] = plan.prefill_keep
             keep = None
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
                 r = self.sched.layout.to_slots(self.sched.profile.sample_retention(self._rng, kp))
-                keep = st["dyn_keep"] = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64),
-                                                   plan.prefill_keep)
+                keep = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64), plan.prefill_keep)
             elif self.retention not in ("full", "global"):
                 keep = plan.prefill_keep
             if keep is not None:  # every layer's per-head counts in one pinned copy (no per-layer stream sync)
