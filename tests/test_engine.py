@@ -262,6 +262,8 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
     assert summ["gc_pauses"]["count"] >= 0
     g = summ["cuda_graphs"]
     assert g["emulated"] and g["captured_before_run"] > 0 and g["captured_in_run"] == 0 and g["replays"] > 0
+    # two sessions never decode more than two rows together: buckets 1 and 2 only, not every bucket up to 64
+    assert g["max_batch"] == 64 and sorted({b for b, _ in g["keys"]}) == [1, 2]
 
 
 def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):

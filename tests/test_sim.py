@@ -415,3 +415,35 @@ def test_bundled_h100_tables_price_and_label_operators():
     g1, _ = cm._dense(1, 1)
     g2, _ = cm._dense(4096, 1)
     assert 0 < g1 < g2
+
+
+@given(st.lists(st.floats(1e-6, 1e-2), min_size=2, max_size=12), st.integers(0, 10**6))
+@settings(max_examples=50, deadline=None)
+def test_table_interpolant_monotone_envelope(ys, seed):
+    """A GEMM/elementwise time never falls as the call grows: a stalled point of the sweep (a slower small call)
+    is lowered to the cheapest larger call, and no point is raised."""
+    from tangram.sim.tables import LogInterp1D
+
+    xs = 2.0 ** np.arange(len(ys))
+    ys = np.random.default_rng(seed).permutation(ys)
+    f = LogInterp1D(xs, ys, monotone=True)
+    q = np.exp(np.linspace(0, np.log(xs[-1]) + 1, 200))
+    got = f(q)
+    assert np.all(np.diff(got) >= -1e-12 * got[:-1])
+    assert np.all(f(xs) <= ys * (1 + 1e-9))
+    assert np.allclose(f(xs), np.minimum.accumulate(ys[::-1])[::-1])
+    raw = LogInterp1D(xs, ys)
+    assert np.allclose(raw(xs), ys)  # without the envelope the table is reproduced as measured
+
+
+def test_bundled_h100_gemm_stall_does_not_price_batch_one_above_batch_four():
+    """The H100 table's M = 1 qkv point (0.249 ms, a stall of the sweep: M = 4 took 0.029 ms) must not make a
+    batch-1 decode step dearer than a batch-4 one."""
+    from tangram.sim.tables import calibration_dir_for
+
+    if not (calibration_dir_for("h100-80gb") / "gemm.csv").exists():
+        pytest.skip("no H100 calibration tables installed")
+    eng = EngineConfig(mode="full")
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
+    assert cm._dense(1, 1)[0] <= cm._dense(4, 4)[0] <= cm._dense(64, 64)[0]

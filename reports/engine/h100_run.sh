@@ -15,16 +15,19 @@ if [ "${PHASE:-bench}" = validate ]; then
   cp /tmp/vtrace.jsonl $OUT/v/trace.jsonl
   exit 0
 fi
-# TAG names this call's output folder/archive (several runs in one call); CHECK=0 skips the correctness check
+# TAG names this call's output folder/archive (several runs in one call); CHECK=0 skips the correctness check;
+# TRACE: make_trace.py options (default: the session-2/3 recipe from SESSIONS/FIRST/OUTTOK);
+# CONFIG: a tangram-sim --config JSON (e.g. the tuner's best_config.json) instead of --rho 0.25 --alpha 2 --hp 4
 B=$OUT/${TAG:-b}
 mkdir -p $B
 [ "${CHECK:-1}" = 1 ] && python3 reports/engine/h100_check.py $OUT/check.json 2>&1 | tee $OUT/check.log
-python3 reports/engine/make_trace.py /tmp/trace.jsonl --sessions ${SESSIONS:-8} --first ${FIRST:-12000} --out-tokens ${OUTTOK:-192}
+python3 reports/engine/make_trace.py /tmp/trace.jsonl ${TRACE:---sessions ${SESSIONS:-8} --first ${FIRST:-12000} --out-tokens ${OUTTOK:-192}} || exit 1
+if [ -n "$CONFIG" ]; then SPEC="--config $CONFIG"; cp $CONFIG $B/config.json; else SPEC="--rho 0.25 --alpha 2 --hp 4"; fi
 cp /tmp/trace.jsonl $B/trace.jsonl
 for mode in ${MODES:-tangram br+rp dynamic br full}; do
   d=$B/$(echo $mode | tr + _)
   timeout ${MODE_LIMIT:-170} python3 -m tangram.engine.bench /tmp/trace.jsonl --mode $mode --model llama-3.1-8b \
-    --weights random --rho 0.25 --alpha 2 --hp 4 --kv-pool-gib ${POOL:-2.5} --no-plots $EXTRA --out $d 2>&1 \
+    --weights random $SPEC --kv-pool-gib ${POOL:-2.5} --no-plots $EXTRA --out $d 2>&1 \
     | grep -v "it/s\]" | tee $d.log
 done
 cd $OUT && tar czf ${TAG:-bench}.tgz ${TAG:-b} && rm -rf ${TAG:-b}

@@ -263,7 +263,8 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     sched = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
     exe = Executor(model, sched, TokenSource.from_trace(trace, spec.model.vocab, seed, tokenizer), opts)
     if not time_ops:
-        exe.capture_graphs(max_ctx)
+        # a session has one turn in flight at a time, so no decode batch is larger than the session count
+        exe.capture_graphs(max_ctx, max_batch=len({t.session_id for t in trace.turns}))
     g0 = dataclasses.replace(exe.graphs.stats) if exe.graphs is not None else None
     with GcPauses() as gcp, TritonCompiles() as tc:
         t = time.perf_counter()
@@ -283,7 +284,8 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
                                "captured_before_run": g0.captures, "capture_before_run_s": g0.capture_s,
                                "captured_in_run": gs.captures - g0.captures,
                                "capture_in_run_s": gs.capture_s - g0.capture_s,
-                               "replays": gs.replays, "regrows": gs.regrows}
+                               "replays": gs.replays, "regrows": gs.regrows,
+                               "keys": [list(k) for k in dict.fromkeys(gs.keys)]}
     else:
         summ["cuda_graphs"] = None
     del exe

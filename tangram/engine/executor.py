@@ -251,10 +251,13 @@ class Executor:
         self.streams.pop(sid, None)
 
     # ------------------------------------------------------------------ graphs
-    def graph_keys(self, max_context: int) -> list[tuple[int, int]]:
-        """Every (batch bucket, context bucket) a run with contexts up to ``max_context`` tokens can replay."""
+    def graph_keys(self, max_context: int, max_batch: int | None = None) -> list[tuple[int, int]]:
+        """Every (batch bucket, context bucket) a run with contexts up to ``max_context`` tokens and at most
+        ``max_batch`` requests decoding together can replay."""
         if self.graphs is None:
             return []
+        top = self.graphs.bucket(max_batch) if max_batch else None
+        buckets = [b for b in self.graphs.buckets if top is None or b <= top]
         ctxs = [0]
         if self.partition == "static":
             ctxs, c = [], context_bucket(1)
@@ -263,13 +266,13 @@ class Executor:
                 if c >= context_bucket(max_context):
                     break
                 c *= 2
-        return [(b, c) for b in self.graphs.buckets for c in ctxs]
+        return [(b, c) for b in buckets for c in ctxs]
 
-    def capture_graphs(self, max_context: int) -> None:
+    def capture_graphs(self, max_context: int, max_batch: int | None = None) -> None:
         """Capture ahead of a run (tangram-bench does, before its clock starts)."""
         if self.graphs is not None:
             with torch.inference_mode():
-                self.graphs.capture(self.graph_keys(max_context))
+                self.graphs.capture(self.graph_keys(max_context, max_batch))
 
     def _decode_body(self, bufs: StaticBuffers, bs: int, ctx: int) -> None:
         """The captured decode forward: reads ``bufs[:bs]`` only, so a replay sees the next step's inputs."""
