@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.budgets import BudgetProfile
+from tangram.budgets import BudgetProfile, drawn_keep
 from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
@@ -142,7 +142,7 @@ class CostModel:
         self.host = host or HostCoeffs.load()
         cal_dir = calibration_dir_for(gpu.name) if calibration == "auto" else calibration
         self.tables = CalibrationTables.load(cal_dir)
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
         self.partition = engine.partition
         if engine.retention == "global" and self.profile is None:
             raise ConfigError("dynamic mode needs a budget profile to draw realised retention")
@@ -409,9 +409,7 @@ class CostModel:
     def _dynamic(self, plan: StepPlan) -> tuple[np.ndarray, float]:
         """Global top-k realises its own per-head counts; pages beyond them are reclaimed on the host."""
         kp = plan.num_prefill
-        r = self.layout.to_slots(self.profile.sample_retention(self.rng, kp))  # [kp, L, H]
-        c = plan.prefill_tokens.astype(np.float64)[:, None, None]
-        realized = np.minimum(plan.prefill_keep, np.ceil(r * c - 1e-9).astype(np.int64))
+        realized = drawn_keep(self.profile, self.layout, self.seed, plan)  # [kp, L, H]
         after = self.layout.pages_for(self.layout.table_lens(plan.prefill_head_lens + realized)).sum(axis=1)
         reclaimed = np.maximum(0, plan.prefill_pages.sum(axis=1) - after)
         cost = float(reclaimed.sum()) * self.host.reclaim_page_s + kp * self.host.compress_row_s

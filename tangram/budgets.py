@@ -72,10 +72,23 @@ class BudgetProfile:
         Used by the simulator to price the ``dynamic`` mode's reclaim and the
         overflow rate of static budgets.
         """
-        L, H = self.shape
-        r = self.mu[None] + self.sigma[None] * rng.standard_normal((n, L, H))
-        r = np.clip(r, 1e-4, 1.0)
+        return self._retention(rng.standard_normal((n,) + self.shape))
+
+    def _retention(self, z: np.ndarray) -> np.ndarray:
+        r = np.clip(self.mu[None] + self.sigma[None] * z, 1e-4, 1.0)
         return _rescale_layer_mean(r, self.rho)
+
+    def chunk_retention(self, seed: int, rids, starts) -> np.ndarray:
+        """Realised retention [n, L, H] of prefill chunks, one draw per (request id, chunk start).
+
+        Common random numbers: the simulator and the engine draw a chunk's retention from the same stream, so a
+        ``dynamic`` run's reclaim, and with it its preemptions, match between them (separate streams gave the
+        simulator 15 preemptions where the engine had 7 on the validation trace, a 10% throughput miss)."""
+        rids, starts = np.asarray(rids, dtype=np.int64), np.asarray(starts, dtype=np.int64)
+        z = np.zeros((rids.size,) + self.shape)
+        for i, (rid, st) in enumerate(zip(rids.tolist(), starts.tolist())):  # one row per prefill chunk in the step
+            z[i] = np.random.default_rng([int(seed), rid, st]).standard_normal(self.shape)
+        return self._retention(z)
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> Path:
@@ -227,3 +240,12 @@ def synthetic_profile(num_layers: int, num_kv_heads: int, rho: float, *, alpha: 
     prov = {"synthetic": True, "generator": "tangram.budgets.synthetic_profile", "seed": seed, "skew": list(skew),
             "noise": noise}
     return calibrate(samples, alpha, rho=rho, method="synthetic", model=model, provenance=prov)
+
+
+def drawn_keep(profile: BudgetProfile, layout, seed: int, plan) -> np.ndarray:
+    """Tokens each slot keeps of the step's prefill chunks under a global top-k (``dynamic``), drawn from the
+    profile: [kp, L, H] in slot order, at most the plan's upper bound. Shared by the engine (``dynamic_keep=
+    'profile'``) and the cost model, so both realise the same counts for the same chunk."""
+    r = layout.to_slots(profile.chunk_retention(seed, plan.prefill_ids, plan.prefill_start))
+    c = np.asarray(plan.prefill_tokens, dtype=np.float64)[:, None, None]
+    return np.minimum(plan.prefill_keep, np.ceil(r * c - 1e-9).astype(np.int64))

@@ -323,6 +323,14 @@ class Scheduler:
         else:  # pages come chunk by chunk; admission only checks the first chunk fits
             final = base + self._keep(np.array([min(prompt, self.engine.chunk_size)]))[0]
         need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held)
+        if resident and need + held > self.pool.num_pages:
+            # The resident history plus this turn can never fit, though a recompute does (add_request checked):
+            # the resident cache keeps the last turn's output uncompressed, a recompute compresses it. Waiting
+            # would deadlock (its own parked pages are never evicted for it), so drop them and recompute.
+            self._drop_parked(sess)
+            self.stats.session_evictions += 1
+            self._counters["evicted"] += 1
+            return self._admit(req)
         watermark = int(0.01 * self.pool.num_pages) if self.running else 0
         if not self.engine.reserve_exact:
             watermark += self._inflight_chunk_pages()

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tangram.budgets import drawn_keep
 from tangram.config import EngineConfig
 from tangram.engine.cuda_graphs import DecodeGraphs, StaticBuffers, context_bucket
 from tangram.engine.kv_cache import KVCache
@@ -206,7 +207,6 @@ class Executor:
             raise ConfigError(f"dynamic_keep must be topk or profile, got {self.opts.dynamic_keep!r}")
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
             raise ConfigError("dynamic_keep='profile' needs a budget profile")
-        self._rng = np.random.default_rng(self.opts.sampling.seed + 17)
         self.graphs: DecodeGraphs | None = None
         cg = self.opts.cuda_graphs
         if cg not in ("auto", "off", "emulate"):
@@ -344,8 +344,7 @@ class Executor:
             st["pf_lens"] = self.cache.to_device(plan.prefill_head_lens.astype(np.int32))
             keep = None
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
-                r = self.sched.layout.to_slots(self.sched.profile.sample_retention(self._rng, kp))
-                keep = np.minimum(np.ceil(r * plan.prefill_tokens[:, None, None]).astype(np.int64), plan.prefill_keep)
+                keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
             elif self.retention not in ("full", "global"):
                 keep = plan.prefill_keep
             if keep is not None:  # every layer's per-head counts in one pinned copy (no per-layer stream sync)
