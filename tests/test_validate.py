@@ -43,6 +43,12 @@ def test_validate_cli_cpu(tmp_path):
     assert "mean of 2 engine runs" in (out / "report.md").read_text()
     s = json.loads((out / "validation.json").read_text())
     assert s["kendall_tau_throughput"] is not None
+    # the work done on both sides, and every run's own metrics, are kept for diagnosis
+    assert (df["steps_pred"] > 0).all() and (df["steps_meas"] > 0).all()
+    assert "## Work done, predicted vs measured" in (out / "report.md").read_text()
+    assert [len(s["runs"][c]["measured"]) for c in ("a", "b")] == [2, 2]
+    runs_a = [m["throughput_rps"] for m in s["runs"]["a"]["measured"]]
+    assert df.loc[df["config"] == "a", "throughput_rps_meas"].item() == pytest.approx(sum(runs_a) / 2)
     assert "Kendall tau" in (out / "report.md").read_text()
 
 

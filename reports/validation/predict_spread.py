@@ -54,6 +54,7 @@ def main() -> None:
              f"Command: `python reports/validation/predict_spread.py {' '.join(sys.argv[1:])}`".replace(" `", "`"),
              "", __doc__.split("\n\n", 2)[2].strip(), ""]
     names = [c.stem for c in configs]
+    graph_ms = _shipped_graph_ms()
     lines += ["| trace (make_trace.py) | pool GiB | graph_s | " + " | ".join(names) +
               " | smallest gap | full makespan s |", "|---" * (len(names) + 5) + "|"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,21 +63,20 @@ def main() -> None:
             trace = tmp / "trace.jsonl"
             subprocess.run([sys.executable, str(ROOT / "reports/engine/make_trace.py"), str(trace), *opts.split()],
                            check=True, capture_output=True)
-            for graph_s in (None,):  # the shipped fit (before the GPU fitted it, 2 ms bracketed a 15.7 ms placeholder)
-                thr, span = {}, 0.0
-                for path in configs:
-                    cfg = {k: v for k, v in json.loads(path.read_text()).items() if k != "slo"}
-                    cfg["kv_pool_bytes"] = int(pool * 2**30)
-                    with contextlib.redirect_stderr(io.StringIO()):
-                        (mode, m), = _simulate(trace, cfg, _calibration(tmp, graph_s), tmp, None).items()
-                    thr[path.stem] = m["throughput_rps"]
-                    if mode == "full":
-                        span = m["makespan_s"]
-                v = np.sort([x for k, x in thr.items() if k != "brrp_hp4_a2"])
-                gap = float(np.min(np.diff(v) / v[:-1]))
-                lines.append(f"| `{opts}` | {pool} | {_shipped_graph_ms():.2f} ms (shipped fit) | "
-                             + " | ".join(f"{thr[n]:.3f}" for n in names) + f" | {gap:.1%} | {span:.0f} |")
-                print(lines[-1], flush=True)
+            thr, span = {}, 0.0
+            for path in configs:
+                cfg = {k: v for k, v in json.loads(path.read_text()).items() if k != "slo"}
+                cfg["kv_pool_bytes"] = int(pool * 2**30)
+                with contextlib.redirect_stderr(io.StringIO()):
+                    (mode, m), = _simulate(trace, cfg, _calibration(tmp, None), tmp, None).items()
+                thr[path.stem] = m["throughput_rps"]
+                if mode == "full":
+                    span = m["makespan_s"]
+            v = np.sort([x for k, x in thr.items() if k != "brrp_hp4_a2"])
+            gap = float(np.min(np.diff(v) / v[:-1]))
+            lines.append(f"| `{opts}` | {pool} | {graph_ms:.2f} ms (shipped fit) | "
+                         + " | ".join(f"{thr[n]:.3f}" for n in names) + f" | {gap:.1%} | {span:.0f} |")
+            print(lines[-1], flush=True)
     Path(a.out).write_text("\n".join(lines) + "\n")
 
 
