@@ -31,6 +31,8 @@ import torch
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
+from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_context_cap, aot_n_cta,
+                             aot_split_map)
 from tangram.kernels._triton import runs_triton, tl, triton
 
 # ----------------------------------------------------------------------------- kernels
@@ -223,17 +225,6 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(0, int(batch) - 1).bit_length()
 
 
-def aot_n_cta(n_occ: int, bucket: int, heads_per_group: int, waves: float = 1.0) -> int:
-    """N_CTA handed to Algorithm 1 for one batch bucket.
-
-    Algorithm 1 distributes N_CTA over the groups of a layer; our kernel launches
-    ``S[l, g]`` CTAs for *each head* of group g and each request, i.e. about
-    ``bucket * H_p * N_CTA`` CTAs. To fill the device's ``n_occ`` concurrent CTAs
-    ``waves`` times, N_CTA = waves * n_occ / (bucket * H_p).
-    """
-    return max(1, int(round(waves * n_occ / (bucket * heads_per_group))))
-
-
 class AotSplitTable:
     """Split maps and work items for every (layer, batch bucket, context bucket), computed once ahead of time.
 
@@ -247,16 +238,13 @@ class AotSplitTable:
     """
 
     def __init__(self, B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, *, max_batch: int = 256,
-                 waves: float = 1.0, rounding: str = "round", min_split_tokens: int = 256, max_splits: int = 128,
-                 min_context: int = 1024, max_context: int = 131072, device="cpu"):
-        from tangram.planner import aot_split_map
-
+                 waves: float = 1.0, rounding: str = "round", min_split_tokens: int = AOT_MIN_SPLIT_TOKENS,
+                 max_splits: int = AOT_MAX_SPLITS, min_context: int = 1024, max_context: int = AOT_MAX_CONTEXT,
+                 device="cpu"):
         B = np.asarray(B, dtype=np.float64)
         check_group_size(B.shape[1], heads_per_group)  # aot_split_map itself does not check
         self.heads_per_group, self.n_occ, self.waves = heads_per_group, n_occ, waves
         self.min_split_tokens = min_split_tokens
-        Bg = np.take_along_axis(B, np.asarray(perm), axis=1)
-        gmax = Bg.reshape(B.shape[0], -1, heads_per_group).max(axis=2)  # [L, G] longest head of each group
         self.split_maps: dict[tuple[int, int], np.ndarray] = {}
         self._sched: dict[tuple[int, int, int], LayerSchedule] = {}
         shared: dict[bytes, LayerSchedule] = {}
@@ -276,8 +264,7 @@ class AotSplitTable:
         for b in self.batch_buckets:
             S0 = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, b, heads_per_group, waves), rounding)
             for c in self.ctx_buckets:
-                cap = np.clip(np.floor(np.ceil(gmax * c) / min_split_tokens), 1, max_splits).astype(np.int32)
-                S = np.minimum(S0, cap)
+                S = np.minimum(S0, aot_context_cap(B, perm, heads_per_group, c, min_split_tokens, max_splits))
                 self.split_maps[(b, c)] = S
                 for l in range(S.shape[0]):
                     key = S[l].tobytes()

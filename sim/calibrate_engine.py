@@ -5,7 +5,10 @@ Runs the real engine (the ``tangram-bench`` path) over TRACE in several modes; a
 back). The executor's measured seconds against that kernel prediction, with the step's decode rows and prefill
 chunks, fit the coefficients of :mod:`tangram.sim.engine_overhead`; they are written to
 ``engine_overhead.json`` in the calibration folder (``--out-dir``, default the GPU preset's), and every step
-to ``--steps-csv``. Use a trace other than the one you validate on.
+to ``--steps-csv`` with the cost model's per-term kernel prediction (``pred_<term>`` columns), which is how a
+term that is off shows itself: regress the measured seconds of one kind of step on those columns. ``--configs``
+runs config files (the ``tangram-sim --config`` format) instead of ``--modes``, so the fit sees the H_p, chunk
+sizes and split maps a tuner will price. Use a trace other than the one you validate on.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from .costmodel import _HOST_TERMS, CostModel
 class StepRecorder:
     """Wraps an executor: runs the step on it, prices the same plan with the kernel-only cost model, records both."""
 
-    def __init__(self, exe, cost_model: CostModel, mode: str, rows: list):
-        self._exe, self._cm, self._mode, self._rows = exe, cost_model, mode, rows
+    def __init__(self, exe, cost_model: CostModel, label: str, rows: list):
+        self._exe, self._cm, self._mode, self._rows = exe, cost_model, label, rows
 
     def __getattr__(self, name):
         return getattr(self._exe, name)
@@ -41,14 +44,53 @@ class StepRecorder:
         self._rows.append({"mode": self._mode, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
                            "tokens": plan.num_tokens, "compress": self._cm.compress,
                            "aot": self._cm.partition == "aot", "graphed": "engine_graph" in res.breakdown,
-                           "kernel_pred_s": kern, "measured_s": meas})
+                           "hp": self._cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": meas,
+                           **{f"pred_{k}": v for k, v in pred.breakdown.items()
+                              if k not in _HOST_TERMS + ("engine_overhead",)},
+                           # per-operator seconds when the executor times operators (--time-ops)
+                           **{f"meas_{k}": v for k, v in res.breakdown.items()
+                              if k not in _HOST_TERMS + ("graph_capture", "engine", "engine_graph")}})
         return res
+
+
+# predicted cost-model terms -> the executor's timed operators that carry them
+TERMS = {"dense": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "kv_write")),
+         "decode_attention": (("decode_attention",), ("decode_attention",)),
+         "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
+         "compression": (("compression",), ("compression",))}
+
+
+def term_table(df):
+    """Seconds per (config, step kind, term), predicted vs measured, from a --time-ops steps frame. Eager
+    decode-only steps are left out: there the events also time the host issuing launches."""
+    import pandas as pd
+
+    df = df[df["kp"] > 0]
+    out = []
+    for (label, mixed), g in df.groupby(["mode", df["kd"] > 0], sort=False):
+        for term, (pk, mk) in TERMS.items():
+            p = sum(g[f"pred_{k}"].fillna(0).sum() for k in pk if f"pred_{k}" in g)
+            m = sum(g[f"meas_{k}"].fillna(0).sum() for k in mk if f"meas_{k}" in g)
+            if p or m:
+                out.append({"config": label, "steps": "prefill+decode" if mixed else "prefill", "n": len(g),
+                            "term": term, "pred_s": p, "meas_s": m, "meas/pred": m / p if p else float("nan")})
+    return pd.DataFrame(out)
+
+
+def step_terms(df) -> dict:
+    """The steps frame's per-term kernel predictions as :func:`engine_overhead.fit` takes them."""
+    col = lambda k: df[f"pred_{k}"].fillna(0.0).to_numpy(float) if f"pred_{k}" in df else 0.0  # noqa: E731
+    t = {"dense": col("gemm") + col("elementwise")}
+    t.update({k: col(k) for k in engine_overhead.TERMS[1:]})
+    return t
 
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m tangram.sim.calibrate_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="multi-turn JSONL trace (not the validation trace)")
     p.add_argument("--modes", default="tangram,full,dynamic", help="comma list of modes to run (default %(default)s)")
+    p.add_argument("--configs", nargs="+", metavar="FILE",
+                   help="config JSON files to run instead of --modes (each its own mode, H_p, alpha, chunk size...)")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--weights", default="random")
     p.add_argument("--rho", type=float, default=0.25)
@@ -57,6 +99,9 @@ def _parser():
     p.add_argument("--kv-pool-gib", type=float)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--time-ops", action="store_true",
+                   help="time every operator (CUDA events; eager decode, no graphs) into meas_<op> columns of "
+                        "--steps-csv and print predicted vs measured per term; fits nothing")
     p.add_argument("--out-dir", help="calibration folder to write engine_overhead.json into (default: the GPU's)")
     p.add_argument("--steps-csv", help="also write every recorded step here")
     return p
@@ -66,42 +111,60 @@ def run(a) -> dict:
     import pandas as pd
     import torch
 
-    from tangram.engine.bench import _device_dtype, _parser as bench_parser, resolve, run_mode
+    from tangram.engine.bench import _device_dtype, _parser as bench_parser, resolve, run_mode, run_mode_of
     from tangram.engine.weights import load_model
 
     from .tables import calibration_dir_for
 
-    argv = [a.trace, "--model", a.model, "--weights", a.weights, "--rho", str(a.rho), "--alpha", str(a.alpha),
-            "--hp", str(a.hp), "--device", a.device, "--dtype", a.dtype]
+    common = ["--weights", a.weights, "--device", a.device, "--dtype", a.dtype]
     if a.kv_pool_gib is not None:
-        argv += ["--kv-pool-gib", str(a.kv_pool_gib)]
-    r = resolve(bench_parser().parse_args(argv))
-    spec, trace = r["spec"], r["trace"]
+        common += ["--kv-pool-gib", str(a.kv_pool_gib)]
+    if a.configs:  # (label, bench arguments, mode or None for the config's own)
+        runs = [(Path(c).stem, [a.trace, "--config", c, *common], None) for c in a.configs]
+    else:
+        base = [a.trace, "--model", a.model, "--rho", str(a.rho), "--alpha", str(a.alpha), "--hp", str(a.hp), *common]
+        runs = [(m.strip(), base, m.strip()) for m in a.modes.split(",") if m.strip()]
     device, dtype = _device_dtype(a.device, a.dtype)
-    model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
-    dyn = "profile" if info.get("source") == "random" else "topk"
-    kernel_params = dataclasses.replace(spec.params, engine_overhead=False)
+    model = info = spec0 = None
     rows: list[dict] = []
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    for mode in modes:
-        def wrap(exe, mode=mode):
+    for label, argv, mode in runs:
+        r = resolve(bench_parser().parse_args(argv))
+        spec, trace = r["spec"], r["trace"]
+        mode = mode or run_mode_of(r)
+        if model is None:
+            spec0 = spec
+            model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
+        elif spec.model.name != spec0.model.name:
+            raise ConfigError(f"{label}: model {spec.model.name} differs from {spec0.model.name}; fit one model per run")
+        dyn = "profile" if info.get("source") == "random" else "topk"
+        kernel_params = dataclasses.replace(spec.params, engine_overhead=False)
+
+        def wrap(exe, label=label, spec=spec, kernel_params=kernel_params):
             cm = CostModel(spec.model, spec.gpu, exe.engine, exe.sched.layout, exe.sched.profile,
                            calibration=spec.calibration, params=kernel_params, seed=spec.seed)
-            return StepRecorder(exe, cm, mode, rows)
+            return StepRecorder(exe, cm, label, rows)
 
         n0 = len(rows)
-        run_mode(trace, spec, mode, model, device=device, seed=spec.seed, dynamic_keep=dyn, wrap=wrap)
-        print(f"{mode}: {len(rows) - n0} steps recorded", flush=True)
+        meas, _, _ = run_mode(trace, spec, mode, model, device=device, seed=spec.seed, dynamic_keep=dyn, wrap=wrap,
+                              time_ops=a.time_ops)
+        tc, gc = meas.get("triton_compiles_in_run", {}), meas.get("gc_pauses", {})
+        print(f"{label}: {len(rows) - n0} steps recorded; in the run: {tc.get('count', 0)} Triton compiles "
+              f"({tc.get('seconds', 0.0):.2f} s), {gc.get('count', 0)} GC pauses ({gc.get('seconds', 0.0):.2f} s)",
+              flush=True)
+    spec, modes = spec0, [label for label, _, _ in runs]
     df = pd.DataFrame(rows)
     if a.steps_csv:
         Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(a.steps_csv, index=False)
+    if a.time_ops:
+        print(term_table(df).to_string(float_format=lambda x: f"{x:.4g}"))
+        return {"steps": int(len(df))}
     L = spec.model.num_layers
-    ov, stats = engine_overhead.fit(df["kernel_pred_s"], df["measured_s"], L, df["kd"], df["kp"], df["compress"],
+    ov, stats = engine_overhead.fit(step_terms(df), df["measured_s"], L, df["kd"], df["kp"], df["compress"],
                                     df["aot"], df["graphed"])
     per_mode = {}
     for mode, g in df.groupby("mode", sort=False):
-        pred = ov.step_s(g["kernel_pred_s"], L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
+        pred = ov.step_s(step_terms(g), L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
         per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
                           "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
     stats["per_mode"] = per_mode
@@ -120,7 +183,10 @@ def run(a) -> dict:
     path = engine_overhead.save(directory, spec.model.name, ov, stats, prov)
     print("coefficients (s): " + ", ".join(f"{k}={v:.3g}" for k, v in ov.coefficients().items()))
     print(f"fit over {stats['steps']} steps: median |rel err| {stats['median_abs_rel_err']:.3f}, total "
-          f"{stats['total_rel_err']:+.3f} (kernels only: {stats['kernels_only_total_rel_err']:+.3f})")
+          f"{stats['total_rel_err']:+.3f} (kernels only: {stats['kernels_only_total_rel_err']:+.3f}); "
+          f"{stats['one_off_steps']} one-off steps left out ({stats['one_off_excess_s']:.2f} s over their fit)")
+    for mode, pm in per_mode.items():
+        print(f"  {mode}: {pm['steps']} steps, total {pm['total_rel_err']:+.3f}")
     print(f"wrote {path}")
     return {"coefficients": ov.coefficients(), "fit": stats, "path": str(path)}
 

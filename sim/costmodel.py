@@ -20,7 +20,7 @@ from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import StepPlan, StepResult
-from tangram.planner import aot_split_map, flashdecoding_num_splits, runtime_plan
+from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, runtime_plan
 
 from . import engine_overhead
 from .tables import CalibrationTables, calibration_dir_for
@@ -29,6 +29,15 @@ HOST_COEFFS_PATH = Path(__file__).resolve().parent / "host_coeffs.json"
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 _HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
+
+
+def kernel_terms(breakdown: dict) -> dict[str, float]:
+    """A step's kernel seconds by :data:`engine_overhead.TERMS` ("dense": its GEMMs and element-wise ops)."""
+    t = {"dense": breakdown.get("gemm", 0.0) + breakdown.get("elementwise", 0.0)}
+    for k in engine_overhead.TERMS[1:]:
+        if k in breakdown:
+            t[k] = breakdown[k]
+    return t
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
     rows = rows[rows["profile_seed"].notna() & (rows["profile_seed"].astype(str) != "")]
     if len(rows) == 0:
         return None
-    key = (str(t.directory), cm.model.name, cm.gpu.name, cm.n_cta, round(cm.dec_bw), round(cm.dec_launch * 1e9))
+    key = (str(t.directory), cm.model.name, cm.gpu.name, cm.n_occ, round(cm.dec_bw), round(cm.dec_launch * 1e9))
     if key in _CTA_FIT_CACHE:
         return _CTA_FIT_CACHE[key]
     rows = rows.sort_values(["batch", "context", "rho"]).iloc[:: max(1, len(rows) // 24)]
@@ -114,7 +123,7 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
         B = synthetic_profile(m.num_layers, m.num_kv_heads, float(r["rho"]), seed=int(float(r["profile_seed"]))).B
         lens = np.minimum(int(r["context"]), np.ceil(B * int(r["context"]) - 1e-9)).astype(np.int64)
         cases.append((np.repeat(lens[None], int(r["batch"]), axis=0), float(r["median_ms"]) * 1e-3))
-    grid = np.geomspace(cm.dec_bw / cm.n_cta, cm.dec_bw, 24)
+    grid = np.geomspace(cm.dec_bw / cm.n_occ, cm.dec_bw, 24)
     best, best_err = None, np.inf
     for g in grid:
         probe.cta_bw = g
@@ -152,8 +161,10 @@ class CostModel:
         self.sources: dict[str, str] = {}
 
         # -- decode attention: launch + bytes / BW per call, from the table fit or the roofline
-        self.n_cta, n_cta_src = self.tables.n_cta(gpu.num_sms)
-        self.n_cta = max(1, int(round(self.n_cta * engine.n_cta_scale)))
+        # n_occ: decode CTAs resident at once (the wave size); n_cta: the CTAs a plan aims for, n_cta_scale
+        # waves of them (the engine's AOT table and runtime plan take the same product)
+        self.n_occ, n_cta_src = self.tables.n_cta(gpu.num_sms)
+        self.n_cta = max(1, int(round(self.n_occ * engine.n_cta_scale)))
         fit = self.tables.decode_fit(model)
         if fit is not None:
             self.dec_launch, self.dec_bw, src = fit
@@ -165,14 +176,15 @@ class CostModel:
             else:
                 self.dec_bw = gpu.mem_bandwidth * self.params.roofline_bw_eff
                 src = f"roofline: {self.params.roofline_bw_eff:g} x datasheet HBM bandwidth"
-        self.cta_bw = max(self.params.cta_peak_bytes_per_s, self.dec_bw / self.n_cta)
+        self.cta_bw = max(self.params.cta_peak_bytes_per_s, self.dec_bw / self.n_occ)
         cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s assumed"
         if fit is not None:
             cfit = _fit_cta_rate(self)
             if cfit is not None:
                 self.cta_bw, nrows = cfit
                 cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s fitted on {nrows} static_split rows"
-        self.sources["decode_attention"] = (f"{src}; {cta_src}; N_CTA={self.n_cta} ({n_cta_src}); "
+        self.sources["decode_attention"] = (f"{src}; {cta_src}; {self.n_occ} resident CTAs ({n_cta_src}), "
+                                            f"plans aim at {self.n_cta} (n_cta_scale {engine.n_cta_scale:g}); "
                                             f"partition={self.partition}")
         self._split_maps: dict[int, np.ndarray] = {}
         self._dec_cache = None
@@ -241,10 +253,11 @@ class CostModel:
             if plan.retention == "global":
                 realized, br["reclaim"] = self._dynamic(plan)
         if self.overhead is not None:
-            kern = sum(v for k, v in br.items() if k not in _HOST_TERMS)
-            br["engine_overhead"] = float(self.overhead.step_s(kern, self.model.num_layers, kd, kp, self.compress,
+            terms = kernel_terms(br)
+            br["engine_overhead"] = float(self.overhead.step_s(terms, self.model.num_layers, kd, kp, self.compress,
                                                                self.partition == "aot",
-                                                               self.engine.decode_graphed(kd, kp))) - kern
+                                                               self.engine.decode_graphed(kd, kp))) \
+                - sum(terms.values())
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 
@@ -285,16 +298,16 @@ class CostModel:
 
     # ------------------------------------------------------------------ decode attention
     def split_map(self, batch: int) -> np.ndarray:
-        """AOT split map S[L, G] for a batch (one map per power-of-two bucket: a table lookup at run time)."""
+        """The engine's AOT split map S[L, G] for a batch (one map per power-of-two bucket: a table lookup at run
+        time); every head of group g gets S[l, g] CTAs per request (:func:`tangram.planner.aot_bucket_split_map`)."""
         b = _pow2_bucket(batch) if self.params.aot_batch_buckets else 1
         S = self._split_maps.get(b)
         if S is None:
             lay = self.layout
-            hp = lay.heads_per_group if lay.ragged else lay.num_kv_heads
-            n_cta = max(lay.num_kv_heads // hp, self.n_cta // b)
             # B is already in slot order, so the identity permutation groups consecutive slots.
             ident = np.tile(np.arange(lay.num_kv_heads), (lay.num_layers, 1))
-            S = aot_split_map(self._B_slots, ident, hp, n_cta, self.engine.split_rounding)
+            S = aot_bucket_split_map(self._B_slots, ident, lay.heads_per_group, self.n_occ, b,
+                                     waves=self.engine.n_cta_scale, rounding=self.engine.split_rounding)
             self._split_maps[b] = S
         return S
 
@@ -322,17 +335,14 @@ class CostModel:
         return t, plan_s
 
     def _decode_attention(self, lens: np.ndarray) -> tuple[float, float]:
-        """Per layer: CTAs in launch order, dispatched in waves of N_CTA; a wave lasts as long as
+        """Per layer: CTAs in launch order, dispatched in waves of the resident CTAs; a wave lasts as long as
         its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
         kd, L, H = lens.shape
         plan_s = 0.0
         if self.partition == "aot":
-            hp = self.layout.heads_per_group if self.layout.ragged else H
-            G = H // hp
-            S = self.split_map(kd)  # [L, G]
-            work = lens.reshape(kd, L, G, hp).sum(axis=3).transpose(1, 0, 2)  # [L, kd, G] tokens
-            reps = np.broadcast_to(S[:, None, :], work.shape)
-            size = work / reps
+            per_head = np.repeat(self.split_map(kd), self.layout.heads_per_group, axis=1)  # [L, H] in slot order
+            reps = np.broadcast_to(per_head[:, None, :], (L, kd, H))  # launch order: request, slot, split
+            size = lens.transpose(1, 0, 2) / reps
         elif self.partition == "static":
             d = self.model.head_dim
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
@@ -362,7 +372,7 @@ class CostModel:
         n = flat.size
         if n == 0:
             return 0.0
-        N = self.n_cta
+        N = self.n_occ
         layer_end = np.cumsum(per_layer)
         layer_of = np.repeat(np.arange(L), per_layer)
         from_end = layer_end[layer_of] - np.arange(n) - 1  # 0 = last CTA launched in the layer

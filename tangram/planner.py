@@ -46,6 +46,42 @@ def aot_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_cta: 
     return np.maximum(1, s).astype(np.int32)
 
 
+AOT_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (empty CTAs, a longer merge) than it balances
+AOT_MAX_SPLITS = 128
+AOT_MAX_CONTEXT = 131072  # the largest context bucket of the split table (the bucket a lookup without one uses)
+
+
+def aot_n_cta(n_occ: int, bucket: int, heads_per_group: int, waves: float = 1.0) -> int:
+    """N_CTA handed to Algorithm 1 for one batch bucket.
+
+    Algorithm 1 distributes N_CTA over the groups of a layer; the decode kernel launches
+    ``S[l, g]`` CTAs for *each head* of group g and each request, i.e. about
+    ``bucket * H_p * N_CTA`` CTAs. To fill the device's ``n_occ`` concurrent CTAs
+    ``waves`` times, N_CTA = waves * n_occ / (bucket * H_p).
+    """
+    return max(1, int(round(waves * n_occ / (bucket * heads_per_group))))
+
+
+def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
+                         waves: float = 1.0, rounding: str = "round", context: int = AOT_MAX_CONTEXT,
+                         min_split_tokens: int = AOT_MIN_SPLIT_TOKENS,
+                         max_splits: int = AOT_MAX_SPLITS) -> np.ndarray:
+    """The split map the engine launches for a batch bucket and context bucket: Algorithm 1 at
+    :func:`aot_n_cta`, each group capped at its longest head's retained tokens at ``context`` over
+    ``min_split_tokens`` (and ``max_splits``). The engine's split table and the simulator's cost model
+    both call this, so they price and launch the same CTAs."""
+    S0 = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, waves), rounding)
+    return np.minimum(S0, aot_context_cap(B, perm, heads_per_group, context, min_split_tokens, max_splits))
+
+
+def aot_context_cap(B: np.ndarray, perm: np.ndarray, heads_per_group: int, context: int,
+                    min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS) -> np.ndarray:
+    """[L, G] most splits worth giving each group at a context of ``context`` tokens."""
+    Bg = np.take_along_axis(np.asarray(B, dtype=np.float64), np.asarray(perm), axis=1)
+    gmax = Bg.reshape(Bg.shape[0], -1, heads_per_group).max(axis=2)  # [L, G] longest head of each group
+    return np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
+
+
 def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
     """FlashAttention-2's ``num_splits_heuristic`` (flash_api.cpp), applied to every head alike.
 

@@ -25,46 +25,73 @@ def _synthetic_steps(rng, truth, n):
     kp[kd == 0] = np.maximum(kp[kd == 0], 1)
     comp, aot = rng.random(n) < 0.5, rng.random(n) < 0.5
     graphed = (kp == 0) & (kd > 0) & (rng.random(n) < 0.6)
-    kern = rng.uniform(2e-3, 6e-2, n) * (1 + 3 * kp)
+    chunk = rng.uniform(200, 4096, n) * kp
+    kern = {"dense": rng.uniform(2e-3, 1e-2, n) + 1.5e-5 * chunk,
+            "prefill_attention": rng.uniform(0.5, 1.5, n) * 2e-6 * chunk,
+            "compression": comp * kp * rng.uniform(1e-2, 3e-2, n),  # per chunk, not per token (launch-bound tables)
+            "decode_attention": (kd > 0) * rng.uniform(1e-4, 2e-3, n)}
     meas = truth.step_s(kern, 32, kd, kp, comp, aot, graphed) * rng.lognormal(0, 0.02, n)
     return kern, meas, kd, kp, comp, aot, graphed
 
 
 def test_fit_predicts_held_out_steps():
+    """Every coefficient, the per-term scales included, is recovered from noisy steps of a random truth."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     truth = eo.EngineOverhead(*rng.uniform(1e-5, 5e-4, 5), rng.uniform(1e-4, 1e-3), rng.uniform(1e-3, 1e-2),
-                              rng.uniform(2e-4, 2e-3), rng.uniform(0.8, 1.5))
-    kern, meas, *features = _synthetic_steps(rng, truth, 600)
+                              rng.uniform(2e-4, 2e-3), rng.uniform(0.8, 1.5), prefill_scale=rng.uniform(0.5, 1.2),
+                              compress_scale=rng.uniform(0.15, 0.6), decode_scale=rng.uniform(0.8, 3.0),
+                              graph_scale=rng.uniform(0.6, 1.0))
+    kern, meas, *features = _synthetic_steps(rng, truth, 800)
     ov, stats = eo.fit(kern, meas, 32, *features)
     assert stats["converged"] and abs(stats["total_rel_err"]) < 0.01
     held = _synthetic_steps(rng, truth, 300)
     pred = ov.step_s(held[0], 32, *held[2:])
     exact = truth.step_s(held[0], 32, *held[2:])
     assert np.median(np.abs(pred / exact - 1)) < 0.03
-    assert abs(ov.kernel_scale - truth.kernel_scale) < 0.05 * truth.kernel_scale
+    for k in ("kernel_scale", "compress_scale", "graph_scale"):
+        assert abs(getattr(ov, k) - getattr(truth, k)) < 0.1 * getattr(truth, k), k
     assert abs(ov.graph_s - truth.graph_s) < 0.2 * truth.graph_s + 2e-4 and stats["unfitted"] == []
+    # one shared scale cannot price a step mix it was not fitted on: the split fit can
+    one, _ = eo.fit(sum(kern.values()), meas, 32, *features)
+    big = {k: v[held[3] == 2] for k, v in held[0].items()}  # two-chunk steps only
+    sel = [f[held[3] == 2] for f in held[2:]]
+    want = truth.step_s(big, 32, *sel)
+    assert np.abs(ov.step_s(big, 32, *sel) / want - 1).mean() < np.abs(one.step_s(sum(big.values()), 32, *sel)
+                                                                        / want - 1).mean()
 
 
 def test_graph_term_unfitted_without_graphed_steps_and_old_files_load(tmp_path):
     rng = np.random.default_rng(3)
-    truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0)
+    truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0, compress_scale=0.3)
     kern, meas, kd, kp, comp, aot, _ = _synthetic_steps(rng, truth, 200)
     meas = truth.step_s(kern, 32, kd, kp, comp, aot)  # an eager engine: no graphed step
     ov, stats = eo.fit(kern, meas, 32, kd, kp, comp, aot)
-    assert stats["unfitted"] == ["graph_s"] and ov.graph_s == ov.sync_s
+    assert stats["unfitted"] == ["graph_s", "graph_scale"] and ov.graph_s == ov.sync_s
+    assert ov.graph_scale == ov.kernel_scale
+    # a term no eager step has keeps the dense scale
+    ov2, stats2 = eo.fit({k: v for k, v in kern.items() if k != "compression"}, meas, 32, kd, kp, comp, aot)
+    assert "compress_scale" in stats2["unfitted"] and ov2.compress_scale == ov2.kernel_scale
     # a file written before graphs (eight coefficients) still loads, pricing graph replays as kernels + sync_s
-    old = {k: v for k, v in truth.coefficients().items() if k != "graph_s"}
+    old = {k: v for k, v in truth.coefficients().items() if k in eo.COEFFS[:9] and k != "graph_s"}
     (tmp_path / eo.FILENAME).write_text(json.dumps({"version": 1, "models": {"m": {"coefficients": old}}}))
     got = eo.load(tmp_path, "m")
     assert got.graph_s == truth.sync_s and "graph_s not fitted" in got.source
     assert float(got.step_s(0.01, 32, 4, 0, True, True, True)) == pytest.approx(0.01 + truth.sync_s)
+    # ... and one written before the terms were split prices every term at its kernel_scale
+    old["graph_s"] = 2e-3
+    (tmp_path / eo.FILENAME).write_text(json.dumps({"version": 1, "models": {"m": {"coefficients": old}}}))
+    got = eo.load(tmp_path, "m")
+    assert got.compress_scale == got.graph_scale == got.kernel_scale == truth.kernel_scale
+    assert "one kernel_scale" in got.source
+    with pytest.raises(ConfigError, match="unknown kernel terms"):
+        got.step_s({"gemm": 0.01}, 32, 1, 0, False)
 
 
 def test_fit_rejects_too_few_or_bad_steps():
     with pytest.raises(ConfigError, match="too few"):
         eo.fit([0.01] * 5, [0.02] * 5, 32, [1] * 5, [0] * 5, [False] * 5)
     with pytest.raises(ConfigError, match="> 0"):
-        eo.fit([0.01] * 40, [0.0] * 40, 32, [1] * 40, [0] * 40, [False] * 40)
+        eo.fit([0.01] * 60, [0.0] * 60, 32, [1] * 60, [0] * 60, [False] * 60)
 
 
 def test_save_load_roundtrip_keeps_other_models(tmp_path):
@@ -147,3 +174,57 @@ def test_calibrate_engine_cli_on_cpu(tmp_path):
     steps = pd.read_csv(tmp_path / "s.csv")
     assert (steps["measured_s"] > 0).all() and set(steps["mode"]) == {"tangram", "full"}
     assert eo.load(out, "smollm2-135m") is not None
+
+
+def test_calibrate_engine_runs_config_files(tmp_path):
+    """``--configs``: each file runs with its own mode and H_p, and every step carries the per-term prediction."""
+    from tangram.kernels import cpu_reference
+    from tangram.sim.calibrate_engine import main
+    from tangram.traces.format import Trace, Turn, save_trace
+
+    turns = [Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 70 + 13 * s, 32) for s in range(3)]
+    trace = tmp_path / "t.jsonl"
+    save_trace(Trace(turns), trace)
+    cfgs = []
+    for name, body in {"hp1": {"mode": "tangram", "heads_per_group": 1, "chunk_size": 64},
+                       "flat": {"mode": "full", "heads_per_group": 3}}.items():
+        cfgs.append(tmp_path / f"{name}.json")
+        cfgs[-1].write_text(json.dumps({"model": "smollm2-135m", "rho": 0.25, **body}))
+    with cpu_reference(), pytest.raises(SystemExit) as e:
+        main([str(trace), "--configs", *map(str, cfgs), "--kv-pool-gib", "0.02", "--out-dir", str(tmp_path / "cal"),
+              "--steps-csv", str(tmp_path / "s.csv")])
+    assert e.value.code == 0
+    steps = pd.read_csv(tmp_path / "s.csv")
+    assert set(steps["mode"]) == {"hp1", "flat"}
+    assert set(steps.loc[steps["mode"] == "hp1", "hp"]) == {1} and set(steps.loc[steps["mode"] == "flat", "hp"]) == {3}
+    # each file ran in its own mode: full keeps every token (no compression), tangram compresses
+    assert set(steps.loc[steps["mode"] == "flat", "compress"]) == {False}
+    assert set(steps.loc[steps["mode"] == "hp1", "compress"]) == {True}
+    terms = [c for c in steps.columns if c.startswith("pred_")]
+    assert {"pred_gemm", "pred_decode_attention", "pred_prefill_attention"} <= set(terms)
+    # the per-term columns are the kernel prediction, split
+    assert np.allclose(steps[terms].fillna(0).sum(axis=1), steps["kernel_pred_s"], rtol=1e-9)
+    # the config's chunk size reached the engine: no chunk over 64 tokens under hp1, 70-96 token chunks under full
+    hp1, flat = steps[steps["mode"] == "hp1"], steps[steps["mode"] == "flat"]
+    assert (hp1["tokens"] <= 64 * hp1["kp"] + hp1["kd"]).all()
+    assert (flat["tokens"] > 64 * flat["kp"] + flat["kd"]).any()
+
+
+def test_calibrate_engine_times_operators(tmp_path, capsys):
+    """``--time-ops`` records the executor's per-operator seconds next to the prediction and fits nothing."""
+    from tangram.kernels import cpu_reference
+    from tangram.sim.calibrate_engine import main
+    from tangram.traces.format import Trace, Turn, save_trace
+
+    trace = tmp_path / "t.jsonl"
+    save_trace(Trace([Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 60 + 9 * s, 6) for s in range(2)]), trace)
+    with cpu_reference(), pytest.raises(SystemExit) as e:
+        main([str(trace), "--model", "smollm2-135m", "--hp", "3", "--modes", "tangram", "--kv-pool-gib", "0.02",
+              "--time-ops", "--out-dir", str(tmp_path / "cal"), "--steps-csv", str(tmp_path / "s.csv")])
+    assert e.value.code == 0
+    assert not (tmp_path / "cal").exists()  # nothing fitted from eager, event-timed steps
+    steps = pd.read_csv(tmp_path / "s.csv")
+    pf = steps[steps["kp"] > 0]
+    assert len(pf) and (pf["meas_prefill_attention"] > 0).all() and (pf["meas_compression"] > 0).all()
+    out = capsys.readouterr().out
+    assert "prefill_attention" in out and "meas/pred" in out

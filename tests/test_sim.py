@@ -278,6 +278,39 @@ def test_roofline_fallback_labelled_and_tables_used(tmp_path):
     assert 2.5 < g_tab / g_roof < 3.5
 
 
+@pytest.mark.parametrize("hp,scale,rounding", [(1, 1.5, "ceil"), (2, 1.0, "round"), (4, 0.5, "round"),
+                                                (8, 2.0, "ceil")])
+def test_cost_model_prices_the_split_map_the_engine_launches(hp, scale, rounding):
+    """The decode CTAs the simulator prices are the ones the engine's AOT table launches, for every batch bucket."""
+    from tangram.kernels import AotSplitTable, batch_bucket
+
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=int(np.random.SeedSequence().entropy
+                                                                                   % 1000))
+    eng = EngineConfig(mode="tangram", heads_per_group=hp, n_cta_scale=scale, split_rounding=rounding, alpha=1.5)
+    sched = Scheduler(LLAMA, eng, prof, pool_bytes=2**30)
+    cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile)
+    table = AotSplitTable(sched.profile.B, sched.layout.perm, hp, cm.n_occ, max_batch=eng.max_num_seqs, waves=scale,
+                          rounding=rounding)
+    for batch in (1, 3, 17, 64, 200):
+        want = table.split_maps[(batch_bucket(batch), table.ctx_buckets[-1])]  # the graphs' lookup: no context
+        assert np.array_equal(cm.split_map(batch), want), batch
+
+
+def test_decode_waves_hold_the_resident_ctas_whatever_the_plan_aims_at():
+    """n_cta_scale changes how many CTAs a plan launches, not how many run at once: a static split is priced the
+    same under any scale."""
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
+    ctx = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32)).integers(500, 30000, 40)
+    lens = np.ceil(prof.B[None] * ctx[:, None, None]).astype(np.int64)  # 40 x 8 = 320 CTAs: over one wave
+    t = []
+    for scale in (1.0, 2.0):
+        eng = EngineConfig(mode="br+rp", n_cta_scale=scale)
+        cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
+        assert cm.partition == "static" and cm.n_cta == round(scale * cm.n_occ)
+        t.append(cm._decode_attention(lens)[0])
+    assert t[0] == pytest.approx(t[1], rel=1e-12)
+
+
 def test_bad_calibration_table_is_input_error(tmp_path):
     from tangram.errors import InputError
 

@@ -91,7 +91,7 @@ def run(a) -> dict:
     import pandas as pd
     from scipy.stats import kendalltau
 
-    from tangram.engine.bench import _device_dtype, resolve
+    from tangram.engine.bench import _device_dtype, resolve, run_mode_of
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
 
@@ -102,9 +102,8 @@ def run(a) -> dict:
     jobs = []
     for path in a.configs:
         r = resolve(_bench_args(path, a))
-        spec, trace, modes = r["spec"], r["trace"], r["modes"]
-        cfg = json.loads(Path(path).read_text())
-        mode = cfg.get("mode") or (modes[0] if len(modes) == 1 else spec.engine.mode)
+        spec, trace = r["spec"], r["trace"]
+        mode = run_mode_of(r)
         if model is None:
             model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
             dyn = a.dynamic_keep if a.dynamic_keep != "auto" else \

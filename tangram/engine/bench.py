@@ -146,6 +146,12 @@ def pool_bytes_for(model_cfg, gpu, engine, device) -> int:
     return b
 
 
+def run_mode_of(r: dict) -> str:
+    """The one mode a resolved config runs in (a config file's ``mode`` lands in ``r["modes"]``, not in
+    ``spec.engine``)."""
+    return r["modes"][0] if len(r["modes"]) == 1 else r["spec"].engine.mode
+
+
 def _mini_trace(engine):
     from tangram.traces.format import Trace, Turn
 
