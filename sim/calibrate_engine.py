@@ -30,7 +30,7 @@ class StepRecorder:
     """Wraps an executor: runs the step on it, prices the same plan with the kernel-only cost model, records both."""
 
     def __init__(self, exe, cost_model: CostModel, label: str, rows: list):
-        self._exe, self._cm, self._mode, self._rows = exe, cost_model, label, rows
+        self._exe, self._cm, self._label, self._rows = exe, cost_model, label, rows
 
     def __getattr__(self, name):
         return getattr(self._exe, name)
@@ -41,7 +41,7 @@ class StepRecorder:
         # an in-step graph capture is a one-off, not the step's cost
         meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("graph_capture",))
         kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("engine_overhead",))
-        self._rows.append({"mode": self._mode, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
+        self._rows.append({"mode": self._label, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
                            "tokens": plan.num_tokens, "compress": self._cm.compress,
                            "aot": self._cm.partition == "aot", "graphed": "engine_graph" in res.breakdown,
                            "hp": self._cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": meas,
@@ -53,13 +53,6 @@ class StepRecorder:
         return res
 
 
-# predicted cost-model terms -> the executor's timed operators that carry them
-TERMS = {"dense": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "kv_write")),
-         "decode_attention": (("decode_attention",), ("decode_attention",)),
-         "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
-         "compression": (("compression",), ("compression",))}
-
-
 def term_table(df):
     """Seconds per (config, step kind, term), predicted vs measured, from a --time-ops steps frame. Eager
     decode-only steps are left out: there the events also time the host issuing launches."""
@@ -68,7 +61,7 @@ def term_table(df):
     df = df[df["kp"] > 0]
     out = []
     for (label, mixed), g in df.groupby(["mode", df["kd"] > 0], sort=False):
-        for term, (pk, mk) in TERMS.items():
+        for term, (pk, mk) in engine_overhead.TERM_KEYS.items():
             p = sum(g[f"pred_{k}"].fillna(0).sum() for k in pk if f"pred_{k}" in g)
             m = sum(g[f"meas_{k}"].fillna(0).sum() for k in mk if f"meas_{k}" in g)
             if p or m:
@@ -80,9 +73,7 @@ def term_table(df):
 def step_terms(df) -> dict:
     """The steps frame's per-term kernel predictions as :func:`engine_overhead.fit` takes them."""
     col = lambda k: df[f"pred_{k}"].fillna(0.0).to_numpy(float) if f"pred_{k}" in df else 0.0  # noqa: E731
-    t = {"dense": col("gemm") + col("elementwise")}
-    t.update({k: col(k) for k in engine_overhead.TERMS[1:]})
-    return t
+    return {t: sum(col(k) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()}
 
 
 def _parser():

@@ -33,11 +33,8 @@ _HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the h
 
 def kernel_terms(breakdown: dict) -> dict[str, float]:
     """A step's kernel seconds by :data:`engine_overhead.TERMS` ("dense": its GEMMs and element-wise ops)."""
-    t = {"dense": breakdown.get("gemm", 0.0) + breakdown.get("elementwise", 0.0)}
-    for k in engine_overhead.TERMS[1:]:
-        if k in breakdown:
-            t[k] = breakdown[k]
-    return t
+    return {t: sum(breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()
+            if t == "dense" or any(k in breakdown for k in keys)}
 
 
 @dataclass(frozen=True)

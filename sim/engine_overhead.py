@@ -39,8 +39,13 @@ from tangram.errors import ConfigError
 
 FILENAME = "engine_overhead.json"
 VERSION = 2
-# the cost model's kernel terms a step's kernel time is split into ("dense": its GEMMs and element-wise ops)
-TERMS = ("dense", "prefill_attention", "compression", "decode_attention")
+# The kernel terms a step's kernel time is split into: the cost model's breakdown keys each sums, and the
+# executor's operators (timed with --time-ops) that carry it.
+TERM_KEYS = {"dense": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "kv_write")),
+             "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
+             "compression": (("compression",), ("compression",)),
+             "decode_attention": (("decode_attention",), ("decode_attention",))}
+TERMS = tuple(TERM_KEYS)
 COEFFS = ("layer_s", "decode_layer_s", "aot_decode_layer_s", "prefill_chunk_layer_s", "compress_chunk_layer_s",
           "row_s", "sync_s", "graph_s", "kernel_scale", "prefill_scale", "compress_scale", "decode_scale",
           "graph_scale")
@@ -229,4 +234,4 @@ def save(directory: str | Path, model: str, ov: EngineOverhead, stats: dict, pro
     return p
 
 
-__all__ = ["EngineOverhead", "fit", "load", "save", "FILENAME", "COEFFS", "TERMS"]
+__all__ = ["EngineOverhead", "fit", "load", "save", "FILENAME", "COEFFS", "TERMS", "TERM_KEYS"]

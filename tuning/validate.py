@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.sim.engine_overhead import TERM_KEYS
 
 METRICS = ["throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
 # the work done, predicted vs measured: a throughput miss with equal work is a per-step cost error, one with more
@@ -29,10 +30,8 @@ METRICS = ["throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", 
 WORK = ["makespan_s", "busy_s", "steps", "session_evictions", "preemptions"]
 # cost-model term -> the engine's measured operators that do the same work
 TERMS = {
-    "dense (gemm + elementwise)": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "kv_write")),
-    "decode_attention": (("decode_attention",), ("decode_attention",)),
-    "prefill_attention": (("prefill_attention",), ("prefill_attention",)),
-    "compression": (("compression",), ("compression",)),
+    "dense (gemm + elementwise)": TERM_KEYS["dense"],
+    **{t: TERM_KEYS[t] for t in ("decode_attention", "prefill_attention", "compression")},
     "host (scheduler, reclaim, runtime plan)": (("host", "reclaim", "runtime_plan"), ("host", "runtime_plan")),
     "step overhead (launches, copies, sync)": (("engine_overhead",), ("step_overhead",)),
 }
