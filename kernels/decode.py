@@ -31,8 +31,7 @@ import torch
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
-from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_context_cap, aot_n_cta,
-                             aot_split_map)
+from tangram.planner import AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_bucket_split_map, aot_n_cta
 from tangram.kernels._triton import runs_triton, tl, triton
 
 # ----------------------------------------------------------------------------- kernels
@@ -262,9 +261,9 @@ class AotSplitTable:
                 break
             c *= 2
         for b in self.batch_buckets:
-            S0 = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, b, heads_per_group, waves), rounding)
             for c in self.ctx_buckets:
-                S = np.minimum(S0, aot_context_cap(B, perm, heads_per_group, c, min_split_tokens, max_splits))
+                S = aot_bucket_split_map(B, perm, heads_per_group, n_occ, b, waves=waves, rounding=rounding, context=c,
+                                         min_split_tokens=min_split_tokens, max_splits=max_splits)
                 self.split_maps[(b, c)] = S
                 for l in range(S.shape[0]):
                     key = S[l].tobytes()

@@ -33,8 +33,7 @@ _HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the h
 
 def kernel_terms(breakdown: dict) -> dict[str, float]:
     """A step's kernel seconds by :data:`engine_overhead.TERMS` ("dense": its GEMMs and element-wise ops)."""
-    return {t: sum(breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()
-            if t == "dense" or any(k in breakdown for k in keys)}
+    return {t: sum(breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()}
 
 
 @dataclass(frozen=True)

@@ -70,16 +70,11 @@ def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, 
     :func:`aot_n_cta`, each group capped at its longest head's retained tokens at ``context`` over
     ``min_split_tokens`` (and ``max_splits``). The engine's split table and the simulator's cost model
     both call this, so they price and launch the same CTAs."""
-    S0 = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, waves), rounding)
-    return np.minimum(S0, aot_context_cap(B, perm, heads_per_group, context, min_split_tokens, max_splits))
-
-
-def aot_context_cap(B: np.ndarray, perm: np.ndarray, heads_per_group: int, context: int,
-                    min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS) -> np.ndarray:
-    """[L, G] most splits worth giving each group at a context of ``context`` tokens."""
+    S = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, waves), rounding)
     Bg = np.take_along_axis(np.asarray(B, dtype=np.float64), np.asarray(perm), axis=1)
     gmax = Bg.reshape(Bg.shape[0], -1, heads_per_group).max(axis=2)  # [L, G] longest head of each group
-    return np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
+    cap = np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
+    return np.minimum(S, cap)
 
 
 def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
