@@ -97,6 +97,11 @@ MALFORMED = {
                              "duplicate request_id 'r' (already at line 1)"),
     "default_request_id_clash": ([T0, _with(B0, request_id="a:0")], 2, "request_id", "duplicate request_id"),
     "text_not_string": ([_with(T0, text=3)], 1, "text", "expected a string"),
+    "prefix_not_array": ([_with(T0, prefix="sys")], 1, "prefix", "expected an array"),
+    "prefix_bad_pair": ([_with(T0, prefix=[["sys"]])], 1, "prefix", "item 0: expected a [segment_id, tokens] pair"),
+    "prefix_empty_id": ([_with(T0, prefix=[["", 4]])], 1, "prefix", "segment id must be a non-empty string"),
+    "prefix_zero_tokens": ([_with(T0, prefix=[["sys", 4], ["d", 0]])], 1, "prefix", "item 1: tokens must be"),
+    "prefix_past_context": ([T0, _with(T1, prefix=[["sys", 10_000]])], 2, "prefix", "the chain covers 10000 tokens"),
 }
 
 
@@ -211,6 +216,7 @@ def _traces(draw):
             think_time_s=0.0 if j == 0 else draw(st.floats(0, 1e4, allow_nan=False)),
             new_tokens=new, output_tokens=draw(st.integers(1, 10**5)),
             shared_context_tokens=draw(st.integers(0, new)) if j == 0 else 0,
+            prefix=tuple(draw(st.lists(st.tuples(_ident, st.integers(1, max(1, new // 4))), max_size=3))),
             text=draw(st.one_of(st.none(), st.text(max_size=20))),
             meta=draw(st.dictionaries(_ident.map(lambda x: "x_" + x), st.one_of(st.integers(), st.text(max_size=5)),
                                       max_size=2))))

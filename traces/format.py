@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 from tangram.errors import ConfigError, InputError
 
 FIELDS = ("session_id", "turn", "arrival_s", "think_time_s", "new_tokens", "output_tokens",
-          "shared_context_tokens", "text", "request_id")
+          "shared_context_tokens", "prefix", "text", "request_id")
 REQUIRED = ("session_id", "turn", "new_tokens", "output_tokens")
 META_PREFIX = "x_"
 
@@ -47,6 +47,15 @@ class Turn:
     text: str | None = None
     line: int = field(default=0, compare=False)  # 1-based line in the source file; 0 when built in memory
     meta: dict = field(default_factory=dict, hash=False)  # the line's "x_*" keys, kept verbatim
+    # Shared-prefix chain: the first sum(tokens) tokens of this turn's *context* (the session's history before the
+    # turn, then its new tokens) are these segments, in order. A segment is identified by the chain up to it, so
+    # two requests whose chains agree on their first k (id, tokens) pairs hold identical first tokens there and
+    # may share that KV (docs/traces.md, "Shared prefixes").
+    prefix: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def prefix_tokens(self) -> int:
+        return sum(n for _, n in self.prefix)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of this turn; optional fields at their default are left out."""
@@ -59,6 +68,8 @@ class Turn:
         d["output_tokens"] = self.output_tokens
         if self.shared_context_tokens:
             d["shared_context_tokens"] = self.shared_context_tokens
+        if self.prefix:
+            d["prefix"] = [[sid, n] for sid, n in self.prefix]
         if self.text is not None:
             d["text"] = self.text
         if self.request_id != default_request_id(self.session_id, self.turn):
@@ -135,7 +146,7 @@ class Trace:
         import pandas as pd
 
         cols = ["request_id", "session_id", "turn", "arrival_s", "think_time_s", "new_tokens", "output_tokens",
-                "shared_context_tokens"]
+                "shared_context_tokens", "prefix_tokens"]
         df = pd.DataFrame([[getattr(t, c) for c in cols] for t in self.turns], columns=cols)
         df["arrival_s"] = df["arrival_s"].astype(float)
         grown = df["new_tokens"] + df["output_tokens"]
@@ -238,6 +249,7 @@ def _parse_record(path: str, line: int, obj: Any) -> Turn:
         c.fail("shared_context_tokens", f"only allowed on turn 0, got {shared} on turn {turn}")
     if shared > new:
         c.fail("shared_context_tokens", f"{shared} exceeds new_tokens={new} (it counts part of new_tokens)")
+    prefix = _parse_prefix(c, obj.get("prefix"))
     text = c.string("text", required=False)
     rid = c.string("request_id", required=False)
     if rid is None:
@@ -245,13 +257,33 @@ def _parse_record(path: str, line: int, obj: Any) -> Turn:
     elif not rid:
         c.fail("request_id", "must be a non-empty string")
     meta = {k: v for k, v in obj.items() if k.startswith(META_PREFIX)}
-    return Turn(rid, sid, turn, arrival, think, new, out, shared, text, line, meta)
+    return Turn(rid, sid, turn, arrival, think, new, out, shared, text, line, meta, prefix)
+
+
+def _parse_prefix(c: _Checker, v: Any) -> tuple[tuple[str, int], ...]:
+    """``[[segment_id, tokens], ...]`` -> a tuple of (str, int) pairs (absent or null: no prefix)."""
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        c.fail("prefix", f"expected an array of [segment_id, tokens] pairs, got {_type_name(v)}")
+    out = []
+    for i, seg in enumerate(v):
+        if not (isinstance(seg, list) and len(seg) == 2):
+            c.fail("prefix", f"item {i}: expected a [segment_id, tokens] pair, got {json.dumps(seg)[:40]}")
+        sid, n = seg
+        if not isinstance(sid, str) or not sid:
+            c.fail("prefix", f"item {i}: segment id must be a non-empty string, got {json.dumps(sid)[:40]}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            c.fail("prefix", f"item {i}: tokens must be an integer >= 1, got {json.dumps(n)[:40]}")
+        out.append((sid, n))
+    return tuple(out)
 
 
 def _validate_records(records: Iterable[tuple[int, Any]], path: str) -> list[Turn]:
     """Parse (line, object) pairs into turns, checking per-session turn order and id uniqueness."""
     turns: list[Turn] = []
     session_lines: dict[str, list[int]] = {}  # session -> line of each turn seen so far
+    history: dict[str, int] = {}  # session -> tokens of its finished turns (new + output)
     rid_line: dict[str, int] = {}
     for line, obj in records:
         t = _parse_record(path, line, obj)
@@ -270,6 +302,12 @@ def _validate_records(records: Iterable[tuple[int, Any]], path: str) -> list[Tur
         if t.request_id in rid_line:
             raise InputError(path, line, "request_id",
                              f"duplicate request_id {t.request_id!r} (already at line {rid_line[t.request_id]})")
+        hist = history.get(t.session_id, 0)
+        if t.prefix and t.prefix_tokens > hist + t.new_tokens:
+            raise InputError(path, line, "prefix",
+                             f"the chain covers {t.prefix_tokens} tokens but the turn's context (history {hist} + "
+                             f"new_tokens {t.new_tokens}) holds {hist + t.new_tokens}")
+        history[t.session_id] = hist + t.new_tokens + t.output_tokens
         seen.append(line)
         rid_line[t.request_id] = line
         turns.append(t)
