@@ -10,7 +10,7 @@ imports on a CPU-only machine; CPU tensors run the Triton interpreter under
 """
 from tangram.kernels._triton import cpu_reference  # noqa: F401
 from tangram.kernels.decode import (  # noqa: F401
-    AotSplitTable, DecodeConfig, DeviceLimits, KernelResources, LayerSchedule, aot_n_cta, batch_bucket,
+    AotSplitTable, DecodeConfig, DeviceLimits, KernelResources, LayerSchedule, aot_n_cta,
     decode_n_cta, kernel_resources, launch_decode, monolithic_layer_view, occupancy_blocks_per_sm, paged_decode,
     runtime_plan_decode, runtime_plan_schedules, schedule_from_split_map, static_split_decode,
     static_split_num_splits,

@@ -31,7 +31,8 @@ import torch
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
-from tangram.planner import AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_bucket_split_map, aot_n_cta
+from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_bucket_split_map, aot_n_cta,
+                             pow2_bucket)
 from tangram.kernels._triton import runs_triton, tl, triton
 
 # ----------------------------------------------------------------------------- kernels
@@ -171,7 +172,7 @@ class DecodeConfig:
     num_stages: int = 3
 
 
-DEFAULT_CONFIG = DecodeConfig(block_n=128, num_warps=8, num_stages=3)  # chosen on the H100 (sim/calibration/h100/meta.json)
+DEFAULT_CONFIG = DecodeConfig(block_n=128, num_warps=8, num_stages=3)  # chosen on the H100 (sim/tables/h100/meta.json)
 _COMPILED: dict = {}  # DecodeConfig -> compiled stage-1 kernel (for the occupancy query)
 
 
@@ -219,11 +220,6 @@ def static_schedule(num_heads: int, num_splits: int, device="cpu") -> LayerSched
     return schedule_from_split_map(np.full(num_heads, num_splits), 1, device)
 
 
-def batch_bucket(batch: int) -> int:
-    """Power-of-two bucket of a batch size (the AOT table's key)."""
-    return 1 << max(0, int(batch) - 1).bit_length()
-
-
 class AotSplitTable:
     """Split maps and work items for every (layer, batch bucket, context bucket), computed once ahead of time.
 
@@ -254,7 +250,7 @@ class AotSplitTable:
             if b >= max_batch:
                 break
             b *= 2
-        c = batch_bucket(min_context)
+        c = pow2_bucket(min_context)
         while True:
             self.ctx_buckets.append(c)
             if c >= max_context:
@@ -274,11 +270,11 @@ class AotSplitTable:
     def lookup(self, layer: int, batch: int, max_context: int | None = None) -> LayerSchedule:
         """Schedule of ``layer`` for a batch of ``batch`` requests whose longest context is ``max_context``
         tokens (before compression; None = the largest bucket)."""
-        b = min(batch_bucket(batch), self.batch_buckets[-1])
+        b = min(pow2_bucket(batch), self.batch_buckets[-1])
         if max_context is None:
             c = self.ctx_buckets[-1]
         else:
-            c = min(max(batch_bucket(max_context), self.ctx_buckets[0]), self.ctx_buckets[-1])
+            c = min(max(pow2_bucket(max_context), self.ctx_buckets[0]), self.ctx_buckets[-1])
         return self._sched[(b, c, layer)]
 
 
@@ -515,7 +511,7 @@ def decode_n_cta(resources: KernelResources | None = None, limits: DeviceLimits 
 
     On a GPU, resources come from the compiled kernel and limits from the device;
     on a CPU-only machine pass them, or name a calibration folder
-    (``sim/calibration/h100``) whose ``meta.json`` recorded them on the GPU.
+    (``sim/tables/h100``) whose ``meta.json`` recorded them on the GPU.
     """
     if calibration is not None and (resources is None or limits is None):
         import json

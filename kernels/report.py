@@ -1,6 +1,6 @@
 """Markdown report with PNG plots from the calibration tables (runs on the CPU).
 
-    python -m tangram.kernels.report [--calib sim/calibration/h100] [--out reports/kernels]
+    python -m tangram.kernels.report [--calib sim/tables/h100] [--out reports/kernels]
 
 Every number in the report is read from the tables and ``meta.json`` that
 ``python -m tangram.kernels.bench`` wrote on the GPU.
@@ -305,7 +305,7 @@ def build(calib: Path, out: Path, extra: list[tuple[str, Path]] = ()) -> Path:
 @cli_errors
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calib", default="sim/calibration/h100")
+    ap.add_argument("--calib", default="sim/tables/h100")
     ap.add_argument("--out", default="reports/kernels")
     ap.add_argument("--extra-meta", action="append", default=[], metavar="LABEL=PATH",
                     help="another run's meta.json whose headline goes into the closing table")

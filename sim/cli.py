@@ -20,7 +20,7 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "preemptions", "session_evictions"]
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "calibration", "slo", "target_rate", "engine_overhead"}
+            "tables", "calibration", "slo", "target_rate", "engine_overhead"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,11 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--rate-scale", type=float, help="multiply the trace's session arrival rate")
     p.add_argument("--config", help="JSON file of EngineConfig fields plus model/gpu/trace/... (as the tuner writes)")
-    p.add_argument("--calibration", help="folder of calibration tables (default sim/calibration/<gpu>/; 'none': "
+    p.add_argument("--tables", "--calibration", dest="tables",
+                   help="folder of cost tables (default sim/tables/<gpu>/; 'none': "
                                          "roofline only)")
     p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
                    help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
-                        "issue/sync overhead (engine_overhead.json of the calibration folder)")
+                        "issue/sync overhead (engine_overhead.json of the tables folder)")
     p.add_argument("--slo", help="e.g. 'ttft_p99=2s,tpot_p99=0.1s'")
     p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting --slo")
     p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed)")
@@ -151,17 +152,18 @@ def resolve(args) -> dict:
     target = args.target_rate if args.target_rate is not None else cfg.get("target_rate")
     if target is not None and not (math.isfinite(float(target)) and float(target) > 0):
         raise ConfigError(f"--target-rate must be > 0 requests/s, got {target}")
-    calibration = args.calibration or cfg.get("calibration") or "auto"
-    if str(calibration).lower() == "none":  # roofline only, whatever tables are installed
-        calibration = None
-    elif calibration != "auto" and not Path(calibration).is_dir():
-        raise ConfigError(f"--calibration: {calibration} is not a folder of calibration tables")
+    # "calibration" is the config key's name before the tables were renamed (one release of grace)
+    tables = args.tables or cfg.get("tables") or cfg.get("calibration") or "auto"
+    if str(tables).lower() == "none":  # roofline only, whatever tables are installed
+        tables = None
+    elif tables != "auto" and not Path(tables).is_dir():
+        raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
     from tangram.sim.costmodel import CostParams
 
     eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
     if not isinstance(eo, bool):
         raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
-    spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, calibration,
+    spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, tables,
                    CostParams(engine_overhead=eo))
     return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
             "target_rate": float(target) if target is not None else None, "profile_label": profile_label,

@@ -2,7 +2,7 @@
 
 Everything else (scheduler, paging, planner) is the shared control plane; this
 module only answers "how long does this step take on the GPU and the host".
-Each operator is priced from a calibration table when there is one, otherwise
+Each operator is priced from a cost table (sim/tables/<gpu>/) when there is one, otherwise
 from the GPU preset's roofline; :attr:`CostModel.sources` says which, per
 operator. Formulas are documented in docs/simulator.md. All per-step work is
 numpy over the step's rows and heads (no Python loop over requests or heads).
@@ -20,12 +20,12 @@ from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import StepPlan, StepResult
-from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, runtime_plan
+from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
 
 from . import engine_overhead
-from .tables import CalibrationTables, calibration_dir_for
+from .tables import CostTables, tables_dir_for
 
-HOST_COEFFS_PATH = Path(__file__).resolve().parent / "host_coeffs.json"
+HOST_COEFFS_PATH = Path(__file__).resolve().parent / "tables" / "host_coeffs.json"
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
 _HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
@@ -50,14 +50,14 @@ class CostParams:
     score_window: int = 64  # SnapKV observation window (queries scoring each new token)
     aot_batch_buckets: bool = True  # split maps per power-of-two batch bucket (N_CTA / bucket), a lookup
     decode_refresh: float = 0.01  # re-run the wave model when the same batch's tokens grew by more than this
-    # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the calibration folder
+    # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the tables folder
     # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
     engine_overhead: bool = True
 
 
 @dataclass(frozen=True)
 class HostCoeffs:
-    """Seconds per unit of host control-plane work, measured on this CPU by ``python -m tangram.sim.calibrate_host``."""
+    """Seconds per unit of host control-plane work, measured on this CPU by ``python -m tangram.sim.fit_host``."""
 
     step_s: float = 2.0e-5
     decode_row_s: float = 1.0e-6
@@ -131,22 +131,18 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
     return _CTA_FIT_CACHE[key]
 
 
-def _pow2_bucket(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 class CostModel:
     """``execute(plan) -> StepResult`` for one engine replica; deterministic given ``seed``."""
 
     def __init__(self, model: ModelConfig, gpu: GPUConfig, engine: EngineConfig, layout: KVLayout,
-                 profile: BudgetProfile | None = None, *, calibration: str | Path | None = "auto",
+                 profile: BudgetProfile | None = None, *, tables: str | Path | None = "auto",
                  params: CostParams | None = None, host: HostCoeffs | None = None, seed: int = 0):
         self.model, self.gpu, self.engine, self.layout = model, gpu, engine, layout
         self.profile = profile.with_alpha(engine.alpha) if profile is not None else None
         self.params = params or CostParams()
         self.host = host or HostCoeffs.load()
-        cal_dir = calibration_dir_for(gpu.name) if calibration == "auto" else calibration
-        self.tables = CalibrationTables.load(cal_dir)
+        cal_dir = tables_dir_for(gpu.name) if tables == "auto" else tables
+        self.tables = CostTables.load(cal_dir)
         self.seed = seed
         self.partition = engine.partition
         if engine.retention == "global" and self.profile is None:
@@ -296,7 +292,7 @@ class CostModel:
     def split_map(self, batch: int) -> np.ndarray:
         """The engine's AOT split map S[L, G] for a batch (one map per power-of-two bucket: a table lookup at run
         time); every head of group g gets S[l, g] CTAs per request (:func:`tangram.planner.aot_bucket_split_map`)."""
-        b = _pow2_bucket(batch) if self.params.aot_batch_buckets else 1
+        b = pow2_bucket(batch) if self.params.aot_batch_buckets else 1
         S = self._split_maps.get(b)
         if S is None:
             lay = self.layout
@@ -438,6 +434,6 @@ class CostModel:
             "dir": str(self.tables.directory.relative_to(self.tables.directory.parents[2]))
             if len(self.tables.directory.parents) > 2 else str(self.tables.directory),
             "date": m.get("date"), "command": m.get("command"), "gpu": m.get("gpu_name")}
-        return {"sources": dict(sorted(self.sources.items())), "n_cta": self.n_cta, "calibration": cal,
+        return {"sources": dict(sorted(self.sources.items())), "n_cta": self.n_cta, "tables": cal,
                 "decode_bandwidth_bytes_per_s": self.dec_bw, "params": asdict(self.params),
                 "host": asdict(self.host)}

@@ -22,7 +22,7 @@ whose mix differs from the calibration's (a 4096-token chunk). ``kd``/``kp`` are
 prefill chunks, ``aot`` whether decode reads the AOT split table (per-layer lookups), and ``sync_s`` the per-step
 tail (embedding/logits/sampling launches, the host copy of the sampled tokens, bookkeeping). The coefficients are
 fitted (``scipy.optimize.least_squares``, errors weighted by 1/sqrt(measured), all >= 0) to every step of engine
-runs on the GPU by ``python -m tangram.sim.calibrate_engine``, which writes them to ``engine_overhead.json`` in
+runs on the GPU by ``python -m tangram.sim.fit_engine``, which writes them to ``engine_overhead.json`` in
 the GPU's calibration folder, per model, with provenance. They describe this engine on that machine (its host
 CPU included).
 """

@@ -58,14 +58,14 @@ class SimSpec:
     replicas: int = 1
     router: str = "session-affinity"
     seed: int = 0
-    calibration: object = "auto"
+    tables: object = "auto"
     params: CostParams = field(default_factory=CostParams)
 
 
 def build_replica(spec: SimSpec, engine: EngineConfig, idx: int) -> tuple[Scheduler, CostModel]:
     pool = kv_pool_bytes(spec.model, spec.gpu, engine)
     sched = Scheduler(spec.model, engine, spec.profile, pool_bytes=pool)
-    cm = CostModel(spec.model, spec.gpu, engine, sched.layout, sched.profile, calibration=spec.calibration,
+    cm = CostModel(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=spec.tables,
                    params=spec.params, seed=spec.seed * 1009 + idx)
     return sched, cm
 
@@ -116,7 +116,7 @@ def summarize(res: ClusterResult, engine: EngineConfig, costs: list[CostModel]) 
         "reclaim_share_of_prefill": bd.get("reclaim", 0.0) / pf_s if pf_s > 0 else 0.0,
         "control_plane_s": bd.get("host", 0.0) + bd.get("reclaim", 0.0) + bd.get("runtime_plan", 0.0),
         "cost_model_source": costs[0].describe()["sources"],
-        "calibration": costs[0].describe()["calibration"],
+        "cost_tables": costs[0].describe()["tables"],
         "n_cta": costs[0].n_cta,
         "engine": engine.to_dict(),
     })

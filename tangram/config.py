@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from tangram.errors import ConfigError
+from tangram.planner import pow2_bucket
 
 # --------------------------------------------------------------------------- models
 
@@ -205,7 +206,7 @@ class EngineConfig:
         n = min(self.cuda_graph_max_bs, self.max_num_seqs)
         if n <= 0 or self.partition == "runtime":
             return 0
-        return 1 << (n - 1).bit_length()
+        return pow2_bucket(n)
 
     def decode_graphed(self, num_decode, num_prefill):
         """Whether a step with these rows replays a decode graph (vectorised over arrays of steps)."""

@@ -46,6 +46,12 @@ def aot_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_cta: 
     return np.maximum(1, s).astype(np.int32)
 
 
+def pow2_bucket(n: int) -> int:
+    """The power-of-two bucket of a size >= 1 (batch or context): 1, 2, 4, ... The AOT split table, the decode
+    CUDA graphs and the cost model all key on it, so a step's bucket is the same everywhere."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 AOT_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (empty CTAs, a longer merge) than it balances
 AOT_MAX_SPLITS = 128
 AOT_MAX_CONTEXT = 131072  # the largest context bucket of the split table (the bucket a lookup without one uses)

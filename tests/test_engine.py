@@ -194,7 +194,7 @@ def test_dynamic_draws_match_the_cost_model(tiny):
     sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
     exe = Executor(model, sched, TokenSource(cfg.vocab, seed=3),
                    ExecutorOptions(dynamic_keep="profile", sampling=SamplingParams(seed=seed)))
-    cm = CostModel(cfg, get_gpu("h100"), eng, sched.layout, sched.profile, calibration=None, seed=seed)
+    cm = CostModel(cfg, get_gpu("h100"), eng, sched.layout, sched.profile, tables=None, seed=seed)
     for rid, n in enumerate((29, 35, 7)):
         sched.add_request(rid, f"s{rid}", n, 3)
     seen = 0

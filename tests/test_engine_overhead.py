@@ -14,7 +14,7 @@ from tangram.errors import ConfigError
 from tangram.scheduler import Scheduler
 from tangram.sim import engine_overhead as eo
 from tangram.sim.costmodel import CostModel, CostParams
-from tangram.sim.tables import calibration_dir_for
+from tangram.sim.tables import tables_dir_for
 
 LLAMA, H100 = get_model("llama-3.1-8b"), get_gpu("h100")
 
@@ -108,7 +108,7 @@ def test_save_load_roundtrip_keeps_other_models(tmp_path):
 
 
 def test_cost_model_adds_the_overhead_term(tmp_path):
-    src = calibration_dir_for(H100.name)
+    src = tables_dir_for(H100.name)
     d = tmp_path / "cal"
     shutil.copytree(src, d)
     ov = eo.EngineOverhead(3e-4, 2e-4, 1e-4, 5e-4, 4e-4, 1e-3, 5e-3, 2e-3, 1.2)
@@ -116,8 +116,8 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0)
     eng = EngineConfig(mode="tangram")
     sched = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
-    on = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, calibration=d)
-    off = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, calibration=d,
+    on = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, tables=d)
+    off = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, tables=d,
                     params=CostParams(engine_overhead=False))
     assert on.sources["engine_overhead"].startswith("fitted:")
     assert off.sources["engine_overhead"].startswith("none")
@@ -153,7 +153,7 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
 def test_calibrate_engine_cli_on_cpu(tmp_path):
     """The calibration CLI end to end on the CPU (SmolLM2 shape, random weights, reference kernels)."""
     from tangram.kernels import cpu_reference
-    from tangram.sim.calibrate_engine import main
+    from tangram.sim.fit_engine import main
     from tangram.traces.format import Trace, Turn, save_trace
 
     turns = []
@@ -179,7 +179,7 @@ def test_calibrate_engine_cli_on_cpu(tmp_path):
 def test_calibrate_engine_runs_config_files(tmp_path):
     """``--configs``: each file runs with its own mode and H_p, and every step carries the per-term prediction."""
     from tangram.kernels import cpu_reference
-    from tangram.sim.calibrate_engine import main
+    from tangram.sim.fit_engine import main
     from tangram.traces.format import Trace, Turn, save_trace
 
     turns = [Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 70 + 13 * s, 32) for s in range(3)]
@@ -213,7 +213,7 @@ def test_calibrate_engine_runs_config_files(tmp_path):
 def test_calibrate_engine_times_operators(tmp_path, capsys):
     """``--time-ops`` records the executor's per-operator seconds next to the prediction and fits nothing."""
     from tangram.kernels import cpu_reference
-    from tangram.sim.calibrate_engine import main
+    from tangram.sim.fit_engine import main
     from tangram.traces.format import Trace, Turn, save_trace
 
     trace = tmp_path / "t.jsonl"

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from tangram.budgets import head_groups, synthetic_profile
 from tangram.errors import ConfigError
+from tangram.planner import pow2_bucket
 from tangram.kernels import (
-    AotSplitTable, DeviceLimits, KernelResources, batch_bucket, decode_n_cta, keep_budget, monolithic_layer_view,
+    AotSplitTable, DeviceLimits, KernelResources, decode_n_cta, keep_budget, monolithic_layer_view,
     occupancy_blocks_per_sm, paged_decode, prefill_compress, runtime_plan_decode, runtime_plan_schedules,
     static_split_decode,
 )
@@ -177,7 +178,7 @@ def test_aot_table_is_a_lookup_and_balances():
     for (b, c), Sm in table.split_maps.items():
         assert np.all((Sm == 1) | (Sm <= np.ceil(gmax * c) / 256)), (b, c)
     assert table.lookup(0, 1, 1000).max_splits <= 4
-    assert batch_bucket(1) == 1 and batch_bucket(5) == 8 and batch_bucket(64) == 64
+    assert pow2_bucket(1) == 1 and pow2_bucket(5) == 8 and pow2_bucket(64) == 64
 
 
 def test_occupancy_formula():

@@ -108,7 +108,7 @@ def test_random_weights_are_seeded():
 def test_bad_gguf_file_exits_2(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)
-    r = subprocess.run([sys.executable, "-m", "tangram.calibration.cli", "--weights", str(bad), "--samples", "1",
+    r = subprocess.run([sys.executable, "-m", "tangram.profiles.cli", "--weights", str(bad), "--samples", "1",
                         "-o", str(tmp_path / "p.npz")], capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "x.gguf" in r.stderr and "Traceback" not in r.stderr

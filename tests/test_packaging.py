@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["tangram", "tangram.sim", "tangram.kernels", "tangram.traces", "tangram.tuning", "tangram.engine",
-           "tangram.calibration"]
+           "tangram.profiles"]
 
 
 def _import_from(tmp_path, env_extra):
@@ -49,7 +49,7 @@ def test_regular_install_imports(tmp_path):
     assert files["tangram.sim"].endswith(os.path.join("tangram", "sim", "__init__.py"))
     assert (target / "tangram" / "traces" / "data" / "default.jsonl").exists()
     # the simulator's measured coefficients and tables travel with the wheel (else it silently uses defaults)
-    for data in ("host_coeffs.json", "calibration/h100/meta.json", "calibration/h100/engine_overhead.json"):
+    for data in ("tables/host_coeffs.json", "tables/h100/meta.json", "tables/h100/engine_overhead.json"):
         assert (target / "tangram" / "sim" / data).exists(), data
 
 
@@ -67,7 +67,8 @@ def test_editable_install_maps_folders():
     assert Path(tangram.tuning.__file__).resolve() == ROOT / "tuning" / "__init__.py"
 
 
-SCRIPTS = ["tangram-sim", "tangram-trace", "tangram-mem", "tangram-bench", "tangram-calibrate", "tangram-fidelity",
+SCRIPTS = ["tangram-sim", "tangram-trace", "tangram-mem", "tangram-bench", "tangram-profile", "tangram-calibrate",
+           "tangram-fidelity", "tangram-fit-engine", "tangram-fit-host",
            "tangram-tune", "tangram-validate", "tangram-kernels-bench"]
 
 

@@ -173,7 +173,7 @@ def _decode_plan(lens: np.ndarray) -> StepPlan:
 
 def _cost(engine, profile, **kw):
     sched_layout = KVLayout.build(LLAMA, engine, profile.B)
-    return CostModel(LLAMA, H100, engine, sched_layout, profile, calibration=None, **kw)
+    return CostModel(LLAMA, H100, engine, sched_layout, profile, tables=None, **kw)
 
 
 @pytest.mark.parametrize("batch", [4, 16])
@@ -216,7 +216,7 @@ def _prefill_run(rho: float, seed: int) -> dict:
     eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
     prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)
     turns = [_turn(f"s{i}", 0, 3000 + 500 * i, 4, arrival=0.01 * i) for i in range(6)]
-    spec = SimSpec(SMOL, H100, eng, prof, seed=seed, calibration=None)
+    spec = SimSpec(SMOL, H100, eng, prof, seed=seed, tables=None)
     summ, _ = simulate(Trace(turns), spec)
     return summ
 
@@ -237,7 +237,7 @@ def test_dynamic_realized_keep_bounded_and_seeded():
     outs = []
     for _ in range(2):
         s = Scheduler(SMOL, eng, prof, pool_bytes=2**30)
-        cm = CostModel(SMOL, H100, eng, s.layout, s.profile, calibration=None, seed=7)
+        cm = CostModel(SMOL, H100, eng, s.layout, s.profile, tables=None, seed=7)
         s.add_request(0, "a", 700, 3)
         plan = s.schedule()
         res = cm.execute(plan)
@@ -267,7 +267,7 @@ def test_roofline_fallback_labelled_and_tables_used(tmp_path):
            (1e6, 1e7, 1e8, 1e9)]
     pd.DataFrame(dec).to_csv(d / "decode_attention.csv", index=False)
     (d / "meta.json").write_text(json.dumps({"ctas_per_sm": 3}))
-    tab = CostModel(LLAMA, H100, eng, roof.layout, prof, calibration=d)
+    tab = CostModel(LLAMA, H100, eng, roof.layout, prof, tables=d)
     assert tab.sources["gemm_qkv"].startswith("table:gemm.csv")
     assert tab.sources["decode_attention"].startswith("table:decode_attention.csv")
     assert tab.n_cta == 3 * H100.num_sms
@@ -282,7 +282,8 @@ def test_roofline_fallback_labelled_and_tables_used(tmp_path):
                                                 (8, 2.0, "ceil")])
 def test_cost_model_prices_the_split_map_the_engine_launches(hp, scale, rounding):
     """The decode CTAs the simulator prices are the ones the engine's AOT table launches, for every batch bucket."""
-    from tangram.kernels import AotSplitTable, batch_bucket
+    from tangram.kernels import AotSplitTable
+    from tangram.planner import pow2_bucket
 
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=int(np.random.SeedSequence().entropy
                                                                                    % 1000))
@@ -292,7 +293,7 @@ def test_cost_model_prices_the_split_map_the_engine_launches(hp, scale, rounding
     table = AotSplitTable(sched.profile.B, sched.layout.perm, hp, cm.n_occ, max_batch=eng.max_num_seqs, waves=scale,
                           rounding=rounding)
     for batch in (1, 3, 17, 64, 200):
-        want = table.split_maps[(batch_bucket(batch), table.ctx_buckets[-1])]  # the graphs' lookup: no context
+        want = table.split_maps[(pow2_bucket(batch), table.ctx_buckets[-1])]  # the graphs' lookup: no context
         assert np.array_equal(cm.split_map(batch), want), batch
 
 
@@ -311,7 +312,7 @@ def test_decode_waves_hold_the_resident_ctas_whatever_the_plan_aims_at():
     assert t[0] == pytest.approx(t[1], rel=1e-12)
 
 
-def test_bad_calibration_table_is_input_error(tmp_path):
+def test_bad_cost_table_is_input_error(tmp_path):
     from tangram.errors import InputError
 
     d = tmp_path / "cal"
@@ -320,7 +321,7 @@ def test_bad_calibration_table_is_input_error(tmp_path):
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     eng = EngineConfig(mode="tangram")
     with pytest.raises(InputError, match="gemm.csv"):
-        CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof, calibration=d)
+        CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof, tables=d)
 
 
 # --------------------------------------------------------------------------- harness and routers
@@ -406,7 +407,7 @@ def test_capacity_search_brackets_and_orders_slos(tmp_path):
     save_trace(tr, path)
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model": "smollm2-135m", "kv_pool_bytes": 64 * 2**20, "heads_per_group": 1,
-                               "chunk_size": 512, "max_batched_tokens": 1024, "calibration": "none"}))
+                               "chunk_size": 512, "max_batched_tokens": 1024, "tables": "none"}))
     out = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "tangram", "--capacity",
                    "--slo", "ttft_p99=5ms", "--target-rate", "100")
     m = json.loads((out / "metrics.json").read_text())["tangram"]
@@ -434,11 +435,11 @@ def test_realtime_harness_runs_against_the_wall_clock():
 
 
 def test_bundled_h100_tables_price_and_label_operators():
-    from tangram.sim.tables import calibration_dir_for
+    from tangram.sim.tables import tables_dir_for
 
-    d = calibration_dir_for("h100-80gb")
+    d = tables_dir_for("h100-80gb")
     if not (d / "decode_attention.csv").exists():
-        pytest.skip("no H100 calibration tables installed")
+        pytest.skip("no H100 cost tables installed")
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     eng = EngineConfig(mode="tangram")
     cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
@@ -472,10 +473,10 @@ def test_table_interpolant_monotone_envelope(ys, seed):
 def test_bundled_h100_gemm_stall_does_not_price_batch_one_above_batch_four():
     """The H100 table's M = 1 qkv point (0.249 ms, a stall of the sweep: M = 4 took 0.029 ms) must not make a
     batch-1 decode step dearer than a batch-4 one."""
-    from tangram.sim.tables import calibration_dir_for
+    from tangram.sim.tables import tables_dir_for
 
-    if not (calibration_dir_for("h100-80gb") / "gemm.csv").exists():
-        pytest.skip("no H100 calibration tables installed")
+    if not (tables_dir_for("h100-80gb") / "gemm.csv").exists():
+        pytest.skip("no H100 cost tables installed")
     eng = EngineConfig(mode="full")
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)

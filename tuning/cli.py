@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--profile", help="budget profile file (default: the simulator's synthetic profile for --seed)")
-    p.add_argument("--calibration", help="calibration tables folder, or 'none' (default: the simulator's choice)")
+    p.add_argument("--tables", "--calibration", dest="tables",
+                   help="cost tables folder, or 'none' (default: the simulator's choice)")
     p.add_argument("--slo", default=DEFAULT_SLO, help=f"SLO of the capacity search (default '{DEFAULT_SLO}')")
     p.add_argument("--objective", default="pareto", choices=["pareto", "constrained"],
                    help="pareto: maximise load and minimise overflow; constrained: maximise load s.t. "
@@ -90,12 +91,12 @@ def _build(args):
     else:
         e = space.engine({})
         profile = default_profile(model, e.rho, e.alpha, args.seed)
-    calibration = args.calibration or "auto"
-    if str(calibration).lower() == "none":
-        calibration = None
-    elif calibration != "auto" and not Path(calibration).is_dir():
-        raise ConfigError(f"--calibration: {calibration} is not a folder of calibration tables")
-    ev = Evaluator(model, gpu, space, profile, trace, slo, seed=args.seed, calibration=calibration,
+    tables = args.tables or "auto"
+    if str(tables).lower() == "none":
+        tables = None
+    elif tables != "auto" and not Path(tables).is_dir():
+        raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
+    ev = Evaluator(model, gpu, space, profile, trace, slo, seed=args.seed, tables=tables,
                    objective="fast" if args.objective_fast else "capacity", fast_rate_scale=args.fast_rate_scale,
                    capacity_start=args.capacity_start, capacity_iters=args.capacity_iters)
     setup = Setup(model.name, gpu.name, trace_path, args.slo, args.objective, float(args.overflow_bound), args.seed,

@@ -53,7 +53,7 @@ class Evaluator:
     trace: object
     slo: dict
     seed: int = 0
-    calibration: object = "auto"
+    tables: object = "auto"
     objective: str = "capacity"  # "capacity": capacity search; "fast": one simulation at fast_rate_scale
     fast_rate_scale: float = 1.0
     capacity_start: float = 0.25
@@ -72,7 +72,7 @@ class Evaluator:
         from tangram.sim.run import SimSpec
 
         return SimSpec(self.model, self.gpu, self.space.engine(params), self.profile, 1, "session-affinity",
-                       self.seed, self.calibration)
+                       self.seed, self.tables)
 
     def __call__(self, params: dict) -> dict:
         from tangram.sim.run import capacity_search, meets_slo, offered_rps, simulate

@@ -58,10 +58,10 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
 
     best = choose_best(study, setup)
     base, base_trial = _paper_default(study, ev)
-    cfg = best_config_dict(best.params, space, setup, ev.calibration)
+    cfg = best_config_dict(best.params, space, setup, ev.tables)
     (out / "best_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (out / "paper_default_config.json").write_text(
-        json.dumps(best_config_dict(paper_default_params(), space, setup, ev.calibration), indent=1) + "\n")
+        json.dumps(best_config_dict(paper_default_params(), space, setup, ev.tables), indent=1) + "\n")
     summary = {"study": study.study_name, "storage": _redact(url), "setup": setup.as_attrs(),
                "best_trial": best.number, "best_params": best.params, "best_metrics": dict(best.user_attrs),
                "paper_default_trial": base_trial, "paper_default_metrics": base,

@@ -224,7 +224,7 @@ def choose_best(study, setup: Setup):
     return max(ok, key=lambda t: (t.user_attrs["load_rps"], -t.user_attrs["overflow"], -t.number))
 
 
-def best_config_dict(params: dict, space: SearchSpace, setup: Setup, calibration) -> dict:
+def best_config_dict(params: dict, space: SearchSpace, setup: Setup, tables) -> dict:
     """The chosen configuration as a ``tangram-sim --config`` file: EngineConfig fields + run keys."""
     from tangram.traces import default_trace_path
 
@@ -234,9 +234,9 @@ def best_config_dict(params: dict, space: SearchSpace, setup: Setup, calibration
         d["trace"] = setup.trace
     if setup.profile:
         d["profile"] = setup.profile
-    if calibration not in ("auto", None):
-        d["calibration"] = str(calibration)
-    elif calibration is None:
-        d["calibration"] = "none"
+    if tables not in ("auto", None):
+        d["tables"] = str(tables)
+    elif tables is None:
+        d["tables"] = "none"
     d.update(eng)
     return json.loads(json.dumps(d))

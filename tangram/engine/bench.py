@@ -80,7 +80,7 @@ class _EngineCost:
         self._src = {"all": f"measured on {device} (tangram-bench)"}
 
     def describe(self) -> dict:
-        return {"sources": self._src, "calibration": None}
+        return {"sources": self._src, "tables": None}
 
 
 def resolve(args) -> dict:
@@ -94,7 +94,7 @@ def resolve(args) -> dict:
                             hp=args.hp, alpha=args.alpha, profile=args.profile, page_size=args.page_size,
                             chunk=args.chunk, max_batched_tokens=args.max_batched_tokens, replicas=None,
                             router=None, seed=args.seed, out=args.out, rate_scale=args.rate_scale,
-                            config=args.config, calibration=None, slo=None, capacity=False, target_rate=None)
+                            config=args.config, tables=None, slo=None, capacity=False, target_rate=None)
     r = sim_resolve(ns)
     spec = r["spec"]
     kw = {}

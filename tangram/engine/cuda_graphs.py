@@ -28,14 +28,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from tangram.kernels import batch_bucket
+from tangram.planner import pow2_bucket
 
 MIN_CONTEXT_BUCKET = 1024
 
 
 def context_bucket(max_len: int) -> int:
     """Power-of-two bucket (>= 1024 tokens) of a step's longest head, the static partition's graph key."""
-    return max(MIN_CONTEXT_BUCKET, batch_bucket(max(1, int(max_len))))
+    return max(MIN_CONTEXT_BUCKET, pow2_bucket(max(1, int(max_len))))
 
 
 @dataclass
@@ -68,7 +68,7 @@ class DecodeGraphs:
     def __init__(self, *, max_bs: int, n_tables: int, num_layers: int, num_kv_heads: int, hidden: int,
                  dtype: torch.dtype, device: torch.device, scratch_page: int, width: int,
                  body: Callable[[StaticBuffers, int, int], None], emulate: bool = False):
-        self.max_bs = batch_bucket(max_bs)
+        self.max_bs = pow2_bucket(max_bs)
         self.buckets = [1 << i for i in range(self.max_bs.bit_length())]
         self.T, self.L, self.H, self.hidden_size = n_tables, num_layers, num_kv_heads, hidden
         self.dtype, self.device = dtype, device
@@ -100,7 +100,7 @@ class DecodeGraphs:
         b.lens[lo:hi] = 1
 
     def bucket(self, batch: int) -> int | None:
-        bs = batch_bucket(batch)
+        bs = pow2_bucket(batch)
         return bs if bs <= self.max_bs else None
 
     # ------------------------------------------------------------------ capture

@@ -1,8 +1,8 @@
-"""``tangram-calibrate``: run a compression method's scoring on a real model and write a BudgetProfile.
+"""``tangram-profile``: run a compression method's scoring on a real model and write a BudgetProfile.
 
 Example (the shipped SmolLM2 profile)::
 
-    tangram-calibrate --model smollm2-135m --weights auto --method ada-snapkv --samples 50 \\
+    tangram-profile --model smollm2-135m --weights auto --method ada-snapkv --samples 50 \\
         --rho 0.5 --alpha 2 --corpus scbench-synth --split calib -o profile.npz
 
 ``--rho`` takes a comma list; then ``-o`` must contain ``{rho}`` and one
@@ -30,9 +30,9 @@ def _rhos(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tangram.calibration.corpus import CORPORA, SPLITS
-    from tangram.calibration.scoring import METHODS
-    p = argparse.ArgumentParser(prog="tangram-calibrate", description=__doc__.split("\n\n")[0])
+    from tangram.profiles.corpus import CORPORA, SPLITS
+    from tangram.profiles.scoring import METHODS
+    p = argparse.ArgumentParser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="model preset (tangram.config.MODELS)")
     p.add_argument("--weights", default="auto", help="auto | random | PATH.gguf | HF safetensors directory")
     p.add_argument("--tokenizer", default=None, help="GGUF file whose vocabulary to use (default: the weights' GGUF, "
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(str(out), None, "-o", "profile file must end in .npz or .json")
     import torch
 
-    from tangram.calibration.calibrate import retention_samples
-    from tangram.calibration.corpus import build_corpus
+    from tangram.profiles.retention import retention_samples
+    from tangram.profiles.corpus import build_corpus
     from tangram.engine.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     if args.threads:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     r = retention_samples(model, tok, samples, args.method, rhos, chunk=args.chunk_size, window=args.window,
                           progress=not args.no_progress, unit=args.unit)
     from tangram.budgets import calibrate
-    prog = "tangram-calibrate" if Path(sys.argv[0]).name == "tangram-calibrate" else "python -m tangram.calibration.cli"
+    prog = Path(sys.argv[0]).name if Path(sys.argv[0]).name in ("tangram-profile", "tangram-calibrate") else "python -m tangram.profiles.cli"
     command = prog + " " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     for rho in rhos:
         prov = {"model": model.cfg.name, "method": args.method, "samples": args.samples, "corpus": args.corpus,

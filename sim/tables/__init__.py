@@ -1,4 +1,5 @@
-"""Calibration tables measured on a GPU (written by ``python -m tangram.kernels.bench``) and their interpolants.
+"""Cost tables: kernel times measured on a GPU (written by ``tangram-kernels-bench``), the fitted engine overhead
+and host coefficients (``tangram.sim.fit_engine``, ``tangram.sim.fit_host``), and their interpolants.
 
 Each operator is priced from its table when one exists for the GPU and the
 model's shapes, otherwise from the analytic roofline of the GPU preset; the
@@ -17,13 +18,13 @@ import numpy as np
 
 from tangram.errors import InputError
 
-CALIBRATION_ROOT = Path(__file__).resolve().parent / "calibration"
+TABLES_ROOT = Path(__file__).resolve().parent
 TABLE_FILES = ("decode_attention.csv", "prefill_attention.csv", "gemm.csv", "elementwise.csv")
 
 
-def calibration_dir_for(gpu_name: str) -> Path:
-    """``h100-80gb`` -> ``sim/calibration/h100``: tables are per GPU family, not per memory size."""
-    return CALIBRATION_ROOT / gpu_name.lower().split("-")[0]
+def tables_dir_for(gpu_name: str) -> Path:
+    """``h100-80gb`` -> ``sim/tables/h100``: tables are per GPU family, not per memory size."""
+    return TABLES_ROOT / gpu_name.lower().split("-")[0]
 
 
 def _read_csv(path: Path, required: tuple[str, ...]):
@@ -32,10 +33,10 @@ def _read_csv(path: Path, required: tuple[str, ...]):
     try:
         df = pd.read_csv(path)
     except Exception as e:  # pandas raises many parser error types
-        raise InputError(str(path), None, None, f"not a readable calibration CSV ({type(e).__name__}: {e})") from None
+        raise InputError(str(path), None, None, f"not a readable cost table CSV ({type(e).__name__}: {e})") from None
     missing = [c for c in required if c not in df.columns]
     if missing:
-        raise InputError(str(path), None, missing[0], "missing column in calibration table")
+        raise InputError(str(path), None, missing[0], "missing column in cost table")
     for c in required:
         if df[c].dtype == object and c not in ("op", "kernel", "model", "gpu", "dtype"):
             bad = df[c][pd.to_numeric(df[c], errors="coerce").isna()]
@@ -81,7 +82,7 @@ class LogInterp1D:
 
 
 @dataclass
-class CalibrationTables:
+class CostTables:
     """What was found for one GPU: parsed tables plus meta.json; empty when nothing was measured."""
 
     directory: Path | None
@@ -92,7 +93,7 @@ class CalibrationTables:
     elementwise: object = None
 
     @classmethod
-    def load(cls, directory: str | Path | None) -> "CalibrationTables":
+    def load(cls, directory: str | Path | None) -> "CostTables":
         if directory is None:
             return cls(None)
         d = Path(directory)

@@ -1,6 +1,6 @@
 """Measure the host control-plane coefficients of the cost model on this CPU.
 
-``python -m tangram.sim.calibrate_host [--out sim/host_coeffs.json] [--steps N]``
+``python -m tangram.sim.fit_host [--out sim/tables/host_coeffs.json] [--steps N]``
 
 Runs the real shared scheduler (the code the engine runs on its host) on a
 synthetic multi-turn load for several modes and H_p, times every
@@ -118,7 +118,7 @@ def _time_runtime_plan(rng) -> float:
     return float(np.sum(ts) / np.sum(items))
 
 
-def calibrate(steps: int = 1500, seed: int = 0) -> dict:
+def fit(steps: int = 1500, seed: int = 0) -> dict:
     from scipy.optimize import nnls
 
     rng = np.random.default_rng(seed)
@@ -145,13 +145,13 @@ def calibrate(steps: int = 1500, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="tangram-fit-host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(HOST_COEFFS_PATH))
     ap.add_argument("--steps", type=int, default=1500, help="scheduler steps per (mode, H_p) configuration")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    res = calibrate(a.steps, a.seed)
-    res.update(command=f"python -m tangram.sim.calibrate_host --steps {a.steps} --seed {a.seed}",
+    res = fit(a.steps, a.seed)
+    res.update(command=f"python -m tangram.sim.fit_host --steps {a.steps} --seed {a.seed}",
                cpu=f"{platform.processor() or platform.machine()} ({platform.python_implementation()} "
                    f"{platform.python_version()}, numpy {np.__version__})",
                date=dt.date.today().isoformat())

@@ -6,8 +6,8 @@ import torch
 from tqdm import tqdm
 
 from tangram.budgets import BudgetProfile, calibrate
-from tangram.calibration.corpus import Sample
-from tangram.calibration.scoring import ChunkScorer, global_topk_mask, make_scorer
+from tangram.profiles.corpus import Sample
+from tangram.profiles.scoring import ChunkScorer, global_topk_mask, make_scorer
 from tangram.engine.model import Session, TorchAttention, Transformer
 
 

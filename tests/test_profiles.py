@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from tangram.budgets import BudgetProfile
-from tangram.calibration.corpus import (TASKS, answer_correct, build_corpus, code_split_of, make_sample,
+from tangram.profiles.corpus import (TASKS, answer_correct, build_corpus, code_split_of, make_sample,
                                         stdlib_files)
-from tangram.calibration.scoring import (ExpectedAttentionScorer, SnapKVScorer, global_topk_mask,
+from tangram.profiles.scoring import (ExpectedAttentionScorer, SnapKVScorer, global_topk_mask,
                                          per_head_topk_mask)
 from tangram.config import get_model
 from tangram.engine.model import AttnEvent, Session, TorchAttention, attention_probs
@@ -163,7 +163,7 @@ def smollm2():
 def test_tiny_calibration_run_writes_valid_profile(tmp_path, smollm2, monkeypatch):
     """The CLI on the real SmolLM2 GGUF: 2 short samples, two ratios, a loadable profile with provenance."""
     import tangram.engine.weights as w
-    from tangram.calibration import cli
+    from tangram.profiles import cli
     model, _ = smollm2
     monkeypatch.setattr(w, "load_model", lambda *a, **k: (model, {"source": "smollm2-gguf",
                                                                    "gguf_path": str(w.smollm2_gguf_path())}))
@@ -182,7 +182,7 @@ def test_tiny_calibration_run_writes_valid_profile(tmp_path, smollm2, monkeypatc
 
 
 def test_bad_cli_input_is_one_line_exit_2(tmp_path, capsys):
-    from tangram.calibration import cli
+    from tangram.profiles import cli
     with pytest.raises(SystemExit) as e:
         cli.main(["--rho", "0.2,0.4", "-o", str(tmp_path / "x.npz")])
     assert e.value.code == 2
@@ -192,7 +192,7 @@ def test_bad_cli_input_is_one_line_exit_2(tmp_path, capsys):
 
 def test_tiny_fidelity_run(smollm2):
     """full agrees with itself; the engine's kept set per head is the reference top-k of the chunk's scores."""
-    from tangram.calibration import fidelity as fid
+    from tangram.profiles import fidelity as fid
     model, tok = smollm2
     L, H = model.cfg.num_layers, model.cfg.num_kv_heads
     prof = BudgetProfile(np.full((L, H), 0.4), np.full((L, H), 0.05), 2.0, 0.4, "ada-snapkv", "smollm2-135m")
@@ -221,7 +221,7 @@ def test_tiny_fidelity_run(smollm2):
 
 
 def test_group_max_budgets():
-    from tangram.calibration.fidelity import tangram_budgets
+    from tangram.profiles.fidelity import tangram_budgets
     B = np.array([[0.1, 0.5, 0.3, 0.9], [0.4, 0.2, 0.8, 0.6]])
     prof = BudgetProfile(B, np.zeros_like(B), 0.0, 0.5, "x", "y")
     eff = tangram_budgets(prof, 2)

@@ -1,10 +1,10 @@
-"""``python -m tangram.sim.calibrate_engine TRACE``: fit the engine's per-step overhead on a GPU.
+"""``python -m tangram.sim.fit_engine TRACE``: fit the engine's per-step overhead on a GPU.
 
 Runs the real engine (the ``tangram-bench`` path) over TRACE in several modes; at every step the same
 :class:`~tangram.plan.StepPlan` is also priced by the cost model with ``engine_overhead`` off (kernels back to
 back). The executor's measured seconds against that kernel prediction, with the step's decode rows and prefill
 chunks, fit the coefficients of :mod:`tangram.sim.engine_overhead`; they are written to
-``engine_overhead.json`` in the calibration folder (``--out-dir``, default the GPU preset's), and every step
+``engine_overhead.json`` in the tables folder (``--out-dir``, default the GPU preset's), and every step
 to ``--steps-csv`` with the cost model's per-term kernel prediction (``pred_<term>`` columns), which is how a
 term that is off shows itself: regress the measured seconds of one kind of step on those columns. ``--configs``
 runs config files (the ``tangram-sim --config`` format) instead of ``--modes``, so the fit sees the H_p, chunk
@@ -77,7 +77,7 @@ def step_terms(df) -> dict:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m tangram.sim.calibrate_engine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tangram-fit-engine", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="multi-turn JSONL trace (not the validation trace)")
     p.add_argument("--modes", default="tangram,full,dynamic", help="comma list of modes to run (default %(default)s)")
     p.add_argument("--configs", nargs="+", metavar="FILE",
@@ -93,7 +93,7 @@ def _parser():
     p.add_argument("--time-ops", action="store_true",
                    help="time every operator (CUDA events; eager decode, no graphs) into meas_<op> columns of "
                         "--steps-csv and print predicted vs measured per term; fits nothing")
-    p.add_argument("--out-dir", help="calibration folder to write engine_overhead.json into (default: the GPU's)")
+    p.add_argument("--out-dir", help="tables folder to write engine_overhead.json into (default: the GPU's)")
     p.add_argument("--steps-csv", help="also write every recorded step here")
     return p
 
@@ -105,7 +105,7 @@ def run(a) -> dict:
     from tangram.engine.bench import _device_dtype, _parser as bench_parser, resolve, run_mode, run_mode_of
     from tangram.engine.weights import load_model
 
-    from .tables import calibration_dir_for
+    from .tables import tables_dir_for
 
     common = ["--weights", a.weights, "--device", a.device, "--dtype", a.dtype]
     if a.kv_pool_gib is not None:
@@ -132,7 +132,7 @@ def run(a) -> dict:
 
         def wrap(exe, label=label, spec=spec, kernel_params=kernel_params):
             cm = CostModel(spec.model, spec.gpu, exe.engine, exe.sched.layout, exe.sched.profile,
-                           calibration=spec.calibration, params=kernel_params, seed=spec.seed)
+                           tables=spec.tables, params=kernel_params, seed=spec.seed)
             return StepRecorder(exe, cm, label, rows)
 
         n0 = len(rows)
@@ -159,11 +159,11 @@ def run(a) -> dict:
         per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
                           "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
     stats["per_mode"] = per_mode
-    directory = Path(a.out_dir) if a.out_dir else calibration_dir_for(spec.gpu.name)
+    directory = Path(a.out_dir) if a.out_dir else tables_dir_for(spec.gpu.name)
     if directory is None:
-        raise ConfigError(f"no calibration folder for GPU {spec.gpu.name}; pass --out-dir")
+        raise ConfigError(f"no tables folder for GPU {spec.gpu.name}; pass --out-dir")
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'})"
-    prov = {"command": "python -m tangram.sim.calibrate_engine " + " ".join(a._argv), "device": dev,
+    prov = {"command": "python -m tangram.sim.fit_engine " + " ".join(a._argv), "device": dev,
             "torch": torch.__version__, "trace": str(a.trace), "modes": modes, "weights": info.get("source"),
             "date": _dt.date.today().isoformat(), "host_cpu_count": os.cpu_count()}
     try:

@@ -1,4 +1,4 @@
-"""Fidelity of the serving modes on the real model: ``python -m tangram.calibration.fidelity``.
+"""Fidelity of the serving modes on the real model: ``python -m tangram.profiles.fidelity``.
 
 Runs held-out multi-turn samples through SmolLM2 under ``full``, ``uniform``,
 ``dynamic`` (Ada-SnapKV layer-wide top-k per chunk) and ``tangram`` (per-head
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from tangram.budgets import BudgetProfile, group_budgets, head_groups
-from tangram.calibration.corpus import TASKS, Sample, answer_correct, build_corpus, make_sample
-from tangram.calibration.scoring import (ChunkScorer, budget_tokens, global_topk_mask, make_scorer,
+from tangram.profiles.corpus import TASKS, Sample, answer_correct, build_corpus, make_sample
+from tangram.profiles.scoring import (ChunkScorer, budget_tokens, global_topk_mask, make_scorer,
                                          per_head_topk_mask)
 from tangram.engine.model import AttnEvent, Session, TorchAttention
 from tangram.errors import ConfigError, cli_errors
@@ -276,14 +276,14 @@ def plot_agreement(rows: list[dict], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tangram.calibration.fidelity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tangram.profiles.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--method", default="ada-snapkv")
-    p.add_argument("--profile", default="tangram/profiles/smollm2-135m_ada-snapkv_rho{rho}.npz",
+    p.add_argument("--profile", default="tangram/profiles/data/smollm2-135m_ada-snapkv_rho{rho}.npz",
                    help="calibrated profile per rho ({rho} substituted)")
     p.add_argument("--rhos", default="0.25,0.5,0.75")
-    p.add_argument("--list-profiles", default="tangram/profiles/smollm2-135m_*.npz",
+    p.add_argument("--list-profiles", default="tangram/profiles/data/smollm2-135m_*.npz",
                    help="glob of shipped profiles summarised in the report")
     p.add_argument("--samples-per-task", type=int, default=2)
     p.add_argument("--box-samples-per-task", type=int, default=8, help="held-out samples per task for the box plots")
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from tangram.calibration.calibrate import retention_samples
+    from tangram.profiles.retention import retention_samples
     from tangram.engine.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     args = build_parser().parse_args(argv)
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                      "kept": float(np.mean(st.kept)) if st.kept else None,
                      "mean_B": float(np.mean(s.budgets)) if s.budgets is not None else None})
     plot_agreement(rows, out / "agreement.png")
-    command = "python -m tangram.calibration.fidelity " + " ".join(
+    command = "python -m tangram.profiles.fidelity " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "model": model.cfg.name, "weights": info["source"], "method": args.method, "profiles": {
