@@ -25,7 +25,7 @@ from tangram.budgets import synthetic_profile
 from tangram.config import EngineConfig, get_model
 from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
 from tangram.engine.weights import load_model
-from tangram.sim.cluster import Cluster
+from tangram.harness import Cluster
 from tangram.traces.format import Trace, Turn
 
 

@@ -27,7 +27,8 @@ GRID_CHUNK = (1024, 2048)
 
 def _evaluator(args):
     from tangram.config import get_gpu, get_model
-    from tangram.sim.run import default_profile, parse_slo
+    from tangram.harness import parse_slo
+    from tangram.spec import default_profile
     from tangram.traces import default_trace_path, load_trace
     from tangram.tuning.objective import Evaluator
     from tangram.tuning.space import SearchSpace

@@ -72,13 +72,14 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
 
     from tangram.config import EngineConfig, get_gpu, get_model
-    from tangram.sim.run import SimSpec, default_profile, simulate
+    from tangram.sim.run import simulate
+    from tangram.spec import DeploymentSpec, default_profile
 
     if a.proposed_pool_free:
         _patch_pool_free()
     model, gpu = get_model(a.model), get_gpu(a.gpu)
     engine = EngineConfig(mode=a.mode)
-    spec = SimSpec(model, gpu, engine, default_profile(model, engine.rho, engine.alpha), seed=a.seed)
+    spec = DeploymentSpec(model, gpu, engine, default_profile(model, engine.rho, engine.alpha), seed=a.seed)
     trace = make_trace(a.requests, a.seed, a.category, a.rate)
     prof = cProfile.Profile() if a.profile else None
     t0 = time.perf_counter()

@@ -1,7 +1,5 @@
-"""tangram.sim: the shared control plane in SimPy with a cost model in place of the GPU executor."""
-from .cluster import ROUTERS, Cluster, ClusterResult
+"""tangram.sim: the simulated executor (a cost model priced from GPU tables) for the shared trace-replay harness."""
 from .costmodel import CostModel, CostParams, HostCoeffs
-from .run import SimSpec, capacity_search, parse_slo, simulate
+from .run import build_replica, capacity_search, simulate
 
-__all__ = ["Cluster", "ClusterResult", "ROUTERS", "CostModel", "CostParams", "HostCoeffs", "SimSpec", "simulate",
-           "capacity_search", "parse_slo"]
+__all__ = ["CostModel", "CostParams", "HostCoeffs", "build_replica", "simulate", "capacity_search"]

@@ -6,21 +6,16 @@ side and prints one table; see docs/simulator.md for the options and formulas.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
-from tangram.config import MODES, EngineConfig, get_gpu, get_model
-from tangram.errors import ConfigError, InputError, cli_errors, parse_cli
+from tangram.config import MODES
+from tangram.errors import cli_errors, parse_cli
 
 DEFAULT_OUT = "tangram-sim-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
               "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation",
               "preemptions", "session_evictions"]
-# keys of a --config JSON that are not EngineConfig fields
-RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,123 +57,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_config(path: str) -> dict:
-    p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InputError(path, None, None, "config file not found") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, e.lineno, None, f"invalid JSON: {e.msg}") from None
-    if not isinstance(d, dict):
-        raise InputError(path, None, None, "expected a JSON object of options")
-    return d
-
-
-def _modes(values) -> list[str]:
-    from tangram.config import MODE_ALIASES
-
-    if not values:
-        return list(MODES)
-    out = []
-    for v in values:
-        for m in str(v).split(","):
-            m = m.strip().lower()
-            if not m:
-                continue
-            m = MODE_ALIASES.get(m, m)
-            if m not in MODES:
-                raise ConfigError(f"--mode: unknown mode {m!r}; choose from {', '.join(MODES)}")
-            if m not in out:
-                out.append(m)
-    return out
-
-
-def resolve(args) -> dict:
-    """Merge --config (lowest), then command-line flags, into everything a run needs."""
-    from tangram.budgets import BudgetProfile
-    from tangram.traces import default_trace_path, load_trace
-
-    from .run import SimSpec, default_profile, parse_slo
-
-    cfg = _load_config(args.config) if args.config else {}
-    eng_d = {k: v for k, v in cfg.items() if k not in RUN_KEYS}
-    flag_map = {"rho": "rho", "hp": "heads_per_group", "alpha": "alpha", "page_size": "page_size",
-                "chunk": "chunk_size", "max_batched_tokens": "max_batched_tokens"}
-    for a, f in flag_map.items():
-        if getattr(args, a) is not None:
-            eng_d[f] = getattr(args, a)
-    try:
-        engine = EngineConfig.from_dict(eng_d)
-    except TypeError as e:
-        raise ConfigError(f"bad engine option: {e}") from None
-    except ConfigError as e:
-        if args.config:
-            raise InputError(args.config, None, None, str(e)) from None
-        raise
-    model = get_model(args.model or cfg.get("model", "llama-3.1-8b"))
-    gpu = get_gpu(args.gpu or cfg.get("gpu", "h100-80gb"))
-    if engine.ragged_paging or engine.mode in ("br+rp", "tangram") or any(m in ("br+rp", "tangram") for m in _modes(args.mode)):
-        if model.num_kv_heads % engine.heads_per_group:
-            raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
-    seed = args.seed if args.seed is not None else int(cfg.get("seed", 0))
-    prof_path = args.profile or cfg.get("profile")
-    if prof_path:
-        profile = BudgetProfile.load(prof_path)
-        try:
-            profile.check_model(model.num_layers, model.num_kv_heads, model.name)
-        except ConfigError as e:
-            raise InputError(str(prof_path), None, None, str(e)) from None
-        profile_label = str(prof_path)
-    else:
-        profile = default_profile(model, engine.rho, engine.alpha, seed)
-        profile_label = f"synthetic (tangram.budgets.synthetic_profile, seed {seed}, rho {engine.rho:g})"
-    trace_path = args.trace or cfg.get("trace") or str(default_trace_path())
-    trace = load_trace(trace_path)
-    rate_scale = args.rate_scale if args.rate_scale is not None else cfg.get("rate_scale")
-    if rate_scale is not None:
-        trace = trace.scaled(float(rate_scale))
-    replicas = args.replicas if args.replicas is not None else int(cfg.get("replicas", 1))
-    if replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-    router = args.router or cfg.get("router", "session-affinity")
-    if router not in ("round-robin", "least-outstanding", "session-affinity"):
-        raise ConfigError(f"unknown router {router!r}")
-    modes = _modes(args.mode or cfg.get("modes") or ([cfg["mode"]] if "mode" in cfg else None))
-    slo_text = args.slo or cfg.get("slo")
-    slo = parse_slo(slo_text) if slo_text else None
-    if args.capacity and not slo:
-        raise ConfigError("--capacity needs --slo, e.g. --slo 'ttft_p99=2s,tpot_p99=0.1s'")
-    target = args.target_rate if args.target_rate is not None else cfg.get("target_rate")
-    if target is not None and not (math.isfinite(float(target)) and float(target) > 0):
-        raise ConfigError(f"--target-rate must be > 0 requests/s, got {target}")
-    # "calibration" is the config key's name before the tables were renamed (one release of grace)
-    tables = args.tables or cfg.get("tables") or cfg.get("calibration") or "auto"
-    if str(tables).lower() == "none":  # roofline only, whatever tables are installed
-        tables = None
-    elif tables != "auto" and not Path(tables).is_dir():
-        raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
-    from tangram.sim.costmodel import CostParams
-
-    eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
-    if not isinstance(eo, bool):
-        raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
-    spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, tables,
-                   CostParams(engine_overhead=eo))
-    return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
-            "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
-            "out": Path(args.out or cfg.get("out", DEFAULT_OUT))}
-
-
 def run(args) -> dict:
     from tqdm import tqdm
 
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
-    from .report import write_report
-    from .run import capacity_search, offered_rps, simulate
+    from tangram.harness import offered_rps
+    from tangram.spec import resolve
 
-    r = resolve(args)
+    from .report import write_report
+    from .run import capacity_search, simulate
+
+    r = resolve(args, DEFAULT_OUT)
     spec, trace, modes = r["spec"], r["trace"], r["modes"]
     total = len(trace.turns) * len(modes)
     bar = tqdm(total=total, desc="tangram-sim", unit="req", disable=None if total >= 1000 else True,

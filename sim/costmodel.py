@@ -28,7 +28,7 @@ from .tables import CostTables, tables_dir_for
 HOST_COEFFS_PATH = Path(__file__).resolve().parent / "tables" / "host_coeffs.json"
 
 GEMM_OPS = ("qkv", "o", "gate_up", "down")
-_HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
+HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
 
 
 def kernel_terms(breakdown: dict) -> dict[str, float]:

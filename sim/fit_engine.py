@@ -13,7 +13,6 @@ sizes and split maps a tuner will price. Use a trace other than the one you vali
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -23,7 +22,7 @@ from pathlib import Path
 from tangram.errors import ConfigError, cli_errors, parse_cli
 
 from . import engine_overhead
-from .costmodel import _HOST_TERMS, CostModel
+from .costmodel import HOST_TERMS, CostModel, CostParams
 
 
 class StepRecorder:
@@ -39,17 +38,17 @@ class StepRecorder:
         pred = self._cm.execute(plan)
         res = self._exe.execute(plan)
         # an in-step graph capture is a one-off, not the step's cost
-        meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("graph_capture",))
-        kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in _HOST_TERMS + ("engine_overhead",))
+        meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in HOST_TERMS + ("graph_capture",))
+        kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in HOST_TERMS + ("engine_overhead",))
         self._rows.append({"mode": self._label, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
                            "tokens": plan.num_tokens, "compress": self._cm.compress,
                            "aot": self._cm.partition == "aot", "graphed": "engine_graph" in res.breakdown,
                            "hp": self._cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": meas,
                            **{f"pred_{k}": v for k, v in pred.breakdown.items()
-                              if k not in _HOST_TERMS + ("engine_overhead",)},
+                              if k not in HOST_TERMS + ("engine_overhead",)},
                            # per-operator seconds when the executor times operators (--time-ops)
                            **{f"meas_{k}": v for k, v in res.breakdown.items()
-                              if k not in _HOST_TERMS + ("graph_capture", "engine", "engine_graph")}})
+                              if k not in HOST_TERMS + ("graph_capture", "engine", "engine_graph")}})
         return res
 
 
@@ -102,7 +101,7 @@ def run(a) -> dict:
     import pandas as pd
     import torch
 
-    from tangram.engine.bench import _device_dtype, _parser as bench_parser, resolve, run_mode, run_mode_of
+    from tangram.engine.bench import device_dtype, _parser as bench_parser, resolve, run_mode, run_mode_of
     from tangram.engine.weights import load_model
 
     from .tables import tables_dir_for
@@ -115,7 +114,7 @@ def run(a) -> dict:
     else:
         base = [a.trace, "--model", a.model, "--rho", str(a.rho), "--alpha", str(a.alpha), "--hp", str(a.hp), *common]
         runs = [(m.strip(), base, m.strip()) for m in a.modes.split(",") if m.strip()]
-    device, dtype = _device_dtype(a.device, a.dtype)
+    device, dtype = device_dtype(a.device, a.dtype)
     model = info = spec0 = None
     rows: list[dict] = []
     for label, argv, mode in runs:
@@ -128,7 +127,7 @@ def run(a) -> dict:
         elif spec.model.name != spec0.model.name:
             raise ConfigError(f"{label}: model {spec.model.name} differs from {spec0.model.name}; fit one model per run")
         dyn = "profile" if info.get("source") == "random" else "topk"
-        kernel_params = dataclasses.replace(spec.params, engine_overhead=False)
+        kernel_params = CostParams(engine_overhead=False)
 
         def wrap(exe, label=label, spec=spec, kernel_params=kernel_params):
             cm = CostModel(spec.model, spec.gpu, exe.engine, exe.sched.layout, exe.sched.profile,

@@ -74,4 +74,10 @@ class Event:
 
 
 class Executor(Protocol):
+    """What the harness drives: runs (or prices) one step. ``describe()`` says where step durations come from,
+    for the run's summary: ``sources`` (per operator or term), ``tables`` (provenance of cost tables, or None)
+    and ``n_cta`` (the decode CTAs a plan aims at)."""
+
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def describe(self) -> dict: ...

@@ -15,8 +15,8 @@ from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, T
 from tangram.engine.model import Session
 from tangram.engine.sampling import SamplingParams
 from tangram.engine.weights import build_model, random_state_dict
-from tangram.sim.cluster import Cluster
-from tangram.sim.run import SimSpec
+from tangram.harness import Cluster
+from tangram.spec import DeploymentSpec
 from tangram.traces.format import Trace, Turn
 
 CPU = torch.device("cpu")
@@ -66,7 +66,7 @@ def small_trace(sessions=3, first=(29, 35, 41), later=9, out=5):
 def test_every_mode_serves_the_trace_and_returns_every_page(tiny, mode):
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    spec = SimSpec(cfg, get_gpu("h100"), engine(mode), prof)
+    spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode), prof)
     summ, res, leak = run_mode(small_trace(), spec, mode, model, device=CPU, warmup=False)
     assert summ["completed"] == 6 and summ["rejected"] == 0
     assert leak["ok"] and leak["pages_in_use"] == 0
@@ -105,7 +105,7 @@ def test_full_mode_logits_equal_the_plain_model(tiny):
 def test_turn_larger_than_the_pool_is_rejected_and_the_rest_completes(tiny):
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    spec = SimSpec(cfg, get_gpu("h100"), engine("tangram", kv_pool_bytes=60_000), prof)
+    spec = DeploymentSpec(cfg, get_gpu("h100"), engine("tangram", kv_pool_bytes=60_000), prof)
     turns = list(small_trace(sessions=2).turns) + [Turn("big:0", "big", 0, 0.0005, 0.0, 3000, 4),
                                                    Turn("big:1", "big", 1, None, 0.0, 5, 4)]
     summ, res, leak = run_mode(Trace(turns), spec, "tangram", model, device=CPU, warmup=False)
@@ -175,7 +175,7 @@ def test_decode_partitions(tiny, mode, partition):
 def test_dynamic_keep_from_profile_reclaims(tiny):
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    spec = SimSpec(cfg, get_gpu("h100"), engine("dynamic"), prof)
+    spec = DeploymentSpec(cfg, get_gpu("h100"), engine("dynamic"), prof)
     summ, res, leak = run_mode(small_trace(), spec, "dynamic", model, device=CPU, warmup=False,
                                dynamic_keep="profile")
     assert summ["completed"] == 6 and leak["ok"]
@@ -282,7 +282,7 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
     assert gp.n >= 1 and gp.s >= 0
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    spec = SimSpec(cfg, get_gpu("h100"), engine("tangram"), prof)
+    spec = DeploymentSpec(cfg, get_gpu("h100"), engine("tangram"), prof)
     summ, _, _ = run_mode(small_trace(sessions=2), spec, "tangram", model, device=CPU, warmup=False,
                           cuda_graphs="emulate")
     assert summ["triton_compiles_in_run"]["count"] == 0  # reference kernels: nothing compiles
@@ -314,7 +314,7 @@ def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
     for mode in ("tangram", "uniform", "dynamic"):
-        spec = SimSpec(cfg, get_gpu("h100"), engine(mode), prof)
+        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode), prof)
         summ, _, leak = run_mode(small_trace(sessions=2), spec, mode, model, device=CPU, warmup=False,
                                  dynamic_keep="profile" if mode == "dynamic" else "topk")
         assert summ["completed"] == 4 and leak["ok"]

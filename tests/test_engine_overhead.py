@@ -121,7 +121,7 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
                     params=CostParams(engine_overhead=False))
     assert on.sources["engine_overhead"].startswith("fitted:")
     assert off.sources["engine_overhead"].startswith("none")
-    from tangram.sim.cluster import Cluster
+    from tangram.harness import Cluster
     from tangram.traces import generate
 
     tr = generate(3, "short", seed=1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["tangram", "tangram.sim", "tangram.kernels", "tangram.traces", "tangram.tuning", "tangram.engine",
+MODULES = ["tangram", "tangram.harness", "tangram.sim", "tangram.kernels", "tangram.traces", "tangram.tuning", "tangram.engine",
            "tangram.profiles"]
 
 

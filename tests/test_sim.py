@@ -15,9 +15,10 @@ from tangram.paging import KVLayout
 from tangram.plan import StepPlan, StepResult
 from tangram.scheduler import Scheduler
 from tangram.sim.cli import main
-from tangram.sim.cluster import Cluster
+from tangram.harness import Cluster, parse_slo
 from tangram.sim.costmodel import CostModel
-from tangram.sim.run import SimSpec, parse_slo, simulate
+from tangram.sim.run import simulate
+from tangram.spec import DeploymentSpec
 from tangram.traces import Trace, Turn, generate, save_trace
 
 LLAMA, H100 = get_model("llama-3.1-8b"), get_gpu("h100-80gb")
@@ -216,7 +217,7 @@ def _prefill_run(rho: float, seed: int) -> dict:
     eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
     prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)
     turns = [_turn(f"s{i}", 0, 3000 + 500 * i, 4, arrival=0.01 * i) for i in range(6)]
-    spec = SimSpec(SMOL, H100, eng, prof, seed=seed, tables=None)
+    spec = DeploymentSpec(SMOL, H100, eng, prof, seed=seed, tables=None)
     summ, _ = simulate(Trace(turns), spec)
     return summ
 

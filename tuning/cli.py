@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 def _build(args):
     from tangram.budgets import BudgetProfile
     from tangram.config import get_gpu, get_model
-    from tangram.sim.run import default_profile, parse_slo
+    from tangram.harness import parse_slo
+    from tangram.spec import default_profile
     from tangram.traces import default_trace_path, load_trace
 
     from .objective import Evaluator

@@ -69,13 +69,14 @@ class Evaluator:
         return self._fid
 
     def spec(self, params: dict):
-        from tangram.sim.run import SimSpec
+        from tangram.spec import DeploymentSpec
 
-        return SimSpec(self.model, self.gpu, self.space.engine(params), self.profile, 1, "session-affinity",
+        return DeploymentSpec(self.model, self.gpu, self.space.engine(params), self.profile, 1, "session-affinity",
                        self.seed, self.tables)
 
     def __call__(self, params: dict) -> dict:
-        from tangram.sim.run import capacity_search, meets_slo, offered_rps, simulate
+        from tangram.harness import meets_slo, offered_rps
+        from tangram.sim.run import capacity_search, simulate
 
         spec = self.spec(params)
         out = dict(self.fidelity(params["alpha"]))

@@ -54,7 +54,7 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
                   plots: bool = True) -> list[str]:
     from optuna.trial import TrialState
 
-    from .study import _redact
+    from .study import redact
 
     best = choose_best(study, setup)
     base, base_trial = _paper_default(study, ev)
@@ -62,7 +62,7 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
     (out / "best_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (out / "paper_default_config.json").write_text(
         json.dumps(best_config_dict(paper_default_params(), space, setup, ev.tables), indent=1) + "\n")
-    summary = {"study": study.study_name, "storage": _redact(url), "setup": setup.as_attrs(),
+    summary = {"study": study.study_name, "storage": redact(url), "setup": setup.as_attrs(),
                "best_trial": best.number, "best_params": best.params, "best_metrics": dict(best.user_attrs),
                "paper_default_trial": base_trial, "paper_default_metrics": base,
                "load_gain": (best.user_attrs["load_rps"] / base["load_rps"] - 1.0) if base["load_rps"] else None,
@@ -81,15 +81,15 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
 
 
 def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, argv: list[str], pics: list[str]):
-    from .study import _redact
+    from .study import redact
 
     bm = best.user_attrs
-    argv = [_redact(a) if "://" in a else a for a in argv]
+    argv = [redact(a) if "://" in a else a for a in argv]
     gain = s["load_gain"]
     lines = [
         f"# tangram-tune: study `{s['study']}`", "",
         "Command:", "", "```", "tangram-tune " + shlex.join(argv), "```", "",
-        f"Storage: `{_redact(url)}`; {s['n_complete']} completed trials, {s['n_fail']} failed (killed trials are "
+        f"Storage: `{redact(url)}`; {s['n_complete']} completed trials, {s['n_fail']} failed (killed trials are "
         f"failed by heartbeat and retried).", "",
         f"Setup: model {setup.model}, GPU {setup.gpu}, trace `{setup.trace}`, SLO `{setup.slo}`, objective "
         f"{setup.objective} (overflow bound {setup.overflow_bound:g}), seed {setup.seed}, "

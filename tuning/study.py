@@ -57,10 +57,10 @@ def make_storage(url: str, heartbeat_s: int | None = 5, grace_s: int | None = 20
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, ImportError):
             first = f"no database driver for this URL: {first}; for PostgreSQL pip install 'psycopg[binary]'"
-        raise ConfigError(f"--storage {_redact(url)}: cannot open the study database ({first})") from None
+        raise ConfigError(f"--storage {redact(url)}: cannot open the study database ({first})") from None
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """Hide a password in a database URL before printing it."""
     if "://" in url and "@" in url:
         scheme, rest = url.split("://", 1)

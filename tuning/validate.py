@@ -90,13 +90,13 @@ def run(a) -> dict:
     import pandas as pd
     from scipy.stats import kendalltau
 
-    from tangram.engine.bench import _device_dtype, resolve, run_mode_of
+    from tangram.engine.bench import device_dtype, resolve, run_mode_of
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
 
     if a.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {a.repeats}")
-    device, dtype = _device_dtype(a.device, a.dtype)
+    device, dtype = device_dtype(a.device, a.dtype)
     model = info = None
     jobs = []
     for path in a.configs:

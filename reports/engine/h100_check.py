@@ -20,7 +20,7 @@ from tangram.config import MODES, EngineConfig, get_model
 from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
 from tangram.engine.model import Session
 from tangram.engine.weights import load_model
-from tangram.sim.cluster import Cluster
+from tangram.harness import Cluster
 from tangram.traces.format import Trace, Turn
 
 out = {}

@@ -1,6 +1,6 @@
 """``tangram-bench``: replay a multi-turn trace through the real engine, one mode after another.
 
-The trace is driven by the same harness as ``tangram-sim`` (:class:`tangram.sim.cluster.Cluster`):
+The trace is driven by the same harness as ``tangram-sim`` (:mod:`tangram.harness`):
 first turns arrive open-loop at ``arrival_s``, later turns ``think_time_s`` after
 the previous one finished. The clock is SimPy's virtual clock advanced by each
 step's *measured* duration (GPU wall time + the scheduler's host time), so idle
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -72,20 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _EngineCost:
-    """What ``tangram.sim.run.summarize`` reads from a cost model, for a measured run."""
-
-    def __init__(self, n_cta: int, device: str):
-        self.n_cta = n_cta
-        self._src = {"all": f"measured on {device} (tangram-bench)"}
-
-    def describe(self) -> dict:
-        return {"sources": self._src, "tables": None}
-
-
 def resolve(args) -> dict:
     """The tangram-sim option resolution (same --config format), plus the engine-only options."""
-    from tangram.sim.cli import resolve as sim_resolve
+    from tangram.spec import resolve as spec_resolve
 
     if args.kv_pool_gib is not None:
         if not args.kv_pool_gib > 0:
@@ -95,7 +83,7 @@ def resolve(args) -> dict:
                             chunk=args.chunk, max_batched_tokens=args.max_batched_tokens, replicas=None,
                             router=None, seed=args.seed, out=args.out, rate_scale=args.rate_scale,
                             config=args.config, tables=None, slo=None, capacity=False, target_rate=None)
-    r = sim_resolve(ns)
+    r = spec_resolve(ns, DEFAULT_OUT)
     spec = r["spec"]
     kw = {}
     if args.kv_pool_gib is not None:
@@ -106,13 +94,11 @@ def resolve(args) -> dict:
         kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     if kw:
         spec.engine = spec.engine.with_(**kw)
-    cfg = json.loads(Path(args.config).read_text()) if args.config else {}
-    r["weights"] = args.weights or cfg.get("weights", "auto")
-    r["out"] = Path(args.out or cfg.get("out", DEFAULT_OUT))
+    r["weights"] = args.weights or r["config"].get("weights", "auto")
     return r
 
 
-def _device_dtype(device: str, dtype: str):
+def device_dtype(device: str, dtype: str):
     import torch
 
     if device == "auto":
@@ -248,8 +234,7 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
     from tangram.engine.sampling import SamplingParams
-    from tangram.sim.cluster import Cluster
-    from tangram.sim.run import summarize
+    from tangram.harness import Cluster, summarize
 
     engine = spec.engine.with_(mode=mode)
     pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
@@ -278,8 +263,7 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
                       progress=progress).run()
         wall = time.perf_counter() - t
     leak = leak_check(sched)
-    summ = summarize(res, engine, [_EngineCost(exe.n_occ, str(torch.cuda.get_device_name(device))
-                                               if device.type == "cuda" else "cpu")])
+    summ = summarize(res, engine, [exe])
     summ.update({"wall_s": wall, "kv_pool_bytes": pool_b, "kv_pool_pages": sched.pool.num_pages,
                  "leak_check": leak, "leak_ok": leak["ok"],
                  "dynamic_keep": dynamic_keep if engine.retention == "global" else None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30,
@@ -323,7 +307,7 @@ def run(args) -> dict:
 
     r = resolve(args)
     spec, trace, modes = r["spec"], r["trace"], r["modes"]
-    device, dtype = _device_dtype(args.device, args.dtype)
+    device, dtype = device_dtype(args.device, args.dtype)
     seed = spec.seed
     model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=seed)
     if model.cfg.num_layers != spec.model.num_layers or model.cfg.num_kv_heads != spec.model.num_kv_heads:

@@ -221,6 +221,11 @@ class Executor:
                 dtype=self.dtype, device=self.device, scratch_page=self.scratch_page, width=width,
                 body=self._decode_body, emulate=not self.cuda)
 
+    def describe(self) -> dict:
+        """Where this executor's step durations come from (the harness's summary reads it)."""
+        dev = torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
+        return {"sources": {"all": f"measured on {dev} (tangram-bench)"}, "tables": None, "n_cta": self.n_occ}
+
     # ------------------------------------------------------------------ setup
     def _measure_n_occ(self) -> int:
         """N_CTA = resident decode CTAs: compile the decode kernel once on a dummy layer, then ask its occupancy."""

@@ -1,11 +1,11 @@
-"""Serving harness: arrivals, sessions, routing and replicas in SimPy, generic over the executor.
+"""Trace replay: arrivals, sessions, routing and replicas, generic over the executor.
 
-A replica is a shared :class:`tangram.scheduler.Scheduler` plus any object with
-``execute(plan) -> StepResult``: the simulator's :class:`~tangram.sim.costmodel.CostModel`
-or the GPU engine's executor (whose ``duration_s`` is the measured wall time of
-the step). Nothing here knows how a step is priced, so ``tangram-bench`` can
-drive the GPU through this same code (``realtime=True`` runs SimPy against the
-wall clock instead of virtual time).
+A replica is a shared :class:`tangram.scheduler.Scheduler` plus any
+:class:`tangram.plan.Executor`: the simulator's cost model or the GPU engine's
+executor (whose ``duration_s`` is the measured wall time of the step). Nothing
+here knows how a step is priced. SimPy is the event loop: its clock advances
+by each step's duration (priced or measured), so idle gaps cost nothing;
+``realtime=True`` runs it against the wall clock instead.
 
 * First turns arrive open-loop at ``arrival_s``; a later turn becomes ready
   ``think_time_s`` after the previous turn of its session finished (closed loop).
@@ -20,19 +20,16 @@ wall clock instead of virtual time).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import simpy
 
+from tangram.errors import ConfigError
 from tangram.metrics import RequestRecord
-from tangram.plan import StepPlan, StepResult
+from tangram.plan import Executor, StepResult
 from tangram.scheduler import Scheduler
 
 ROUTERS = ("round-robin", "least-outstanding", "session-affinity")
-
-
-class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> StepResult: ...
 
 
 @dataclass
@@ -73,12 +70,8 @@ class Cluster:
                  realtime: bool = False, realtime_factor: float = 1.0,
                  progress: Callable[[int], None] | None = None, record_kv: bool = True):
         if router not in ROUTERS:
-            from tangram.errors import ConfigError
-
             raise ConfigError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
         if not replicas:
-            from tangram.errors import ConfigError
-
             raise ConfigError("need at least one replica")
         self.turns = list(trace.turns)
         self.router = router

@@ -1,0 +1,61 @@
+"""One run's summary (``metrics.json`` per mode): latency, throughput, KV use and where the time went.
+
+The same keys whether step durations were priced (simulator) or measured (engine); the executor says which
+through its ``describe()``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from tangram.config import EngineConfig
+from tangram.metrics import latency_summary, time_weighted_mean
+from tangram.plan import Executor
+
+from .cluster import ClusterResult
+
+
+def summarize(res: ClusterResult, engine: EngineConfig, executors: Sequence[Executor]) -> dict:
+    s = latency_summary(res.records)
+    scheds = res.schedulers
+    lay = scheds[0].layout
+    pb, hb = lay.page_bytes, lay.head_token_bytes
+    pool_b = scheds[0].pool.num_pages * pb
+    peak = max(sc.stats.peak_pages for sc in scheds) * pb
+    util, res_tw, live_tw = [], 0.0, 0.0
+    for tr, sc in zip(res.replicas, scheds):
+        if tr.t:
+            t = np.asarray(tr.t)
+            r = np.asarray(tr.reserved, float) * pb
+            lv = np.asarray(tr.live, float) * hb
+            util.append(time_weighted_mean(t, r, res.end_s) / pool_b)
+            res_tw += time_weighted_mean(t, r, res.end_s)
+            live_tw += time_weighted_mean(t, lv, res.end_s)
+    bd: dict[str, float] = {}
+    for tr in res.replicas:
+        for k, v in tr.breakdown.items():
+            bd[k] = bd.get(k, 0.0) + v
+    busy = sum(tr.busy_s for tr in res.replicas)
+    pf_s = sum(tr.prefill_step_s for tr in res.replicas)
+    st = [sc.stats for sc in scheds]
+    about = executors[0].describe()
+    s.update({
+        "mode": engine.mode, "replicas": len(scheds),
+        "peak_kv_bytes": peak, "kv_pool_bytes": pool_b, "page_bytes": pb, "n_tables": lay.n_tables,
+        "heads_per_group": lay.heads_per_group,
+        "kv_utilization": float(np.mean(util)) if util else 0.0,
+        "fragmentation": 1.0 - live_tw / res_tw if res_tw > 0 else 0.0,
+        "preemptions": sum(x.preemptions for x in st), "session_evictions": sum(x.session_evictions for x in st),
+        "pages_reclaimed": sum(x.pages_reclaimed for x in st), "steps": res.steps,
+        "busy_s": busy, "time_by_operator_s": dict(sorted(bd.items())),
+        "share_of_busy": {k: v / busy for k, v in sorted(bd.items())} if busy > 0 else {},
+        "prefill_step_s": pf_s,
+        "reclaim_share_of_prefill": bd.get("reclaim", 0.0) / pf_s if pf_s > 0 else 0.0,
+        "control_plane_s": bd.get("host", 0.0) + bd.get("reclaim", 0.0) + bd.get("runtime_plan", 0.0),
+        "cost_model_source": about["sources"],
+        "cost_tables": about["tables"],
+        "n_cta": about["n_cta"],
+        "engine": engine.to_dict(),
+    })
+    return s
