@@ -82,6 +82,6 @@ def import_azure(path: str | os.PathLike, *, zero: str = "skip", limit: int | No
     rep.facts.update({"requests": len(turns), "sessions": len(turns),
                       "arrival_span_s": turns[-1].arrival_s, "t0": t0.isoformat(sep=" ")})
     if late:
-        rep.notes.append(f"{late} row(s) listed before an earlier timestamp: imported in time order")
+        rep.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
     rep.notes.append("no session or prefix data in this format: every request is a one-turn session")
     return Trace(turns, f"azure:{p}")

@@ -100,6 +100,6 @@ def import_burstgpt(path: str | os.PathLike, *, log_type: str = "all", zero: str
         rep.notes.append(f"{mismatch} row(s) whose Total tokens != Request tokens + Response tokens (kept; Total "
                          f"is not used)")
     if late:
-        rep.notes.append(f"{late} row(s) listed before an earlier timestamp: imported in time order")
+        rep.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
     rep.notes.append("no session or prefix data is used: every request is a one-turn session")
     return Trace(turns, f"burstgpt:{p}")

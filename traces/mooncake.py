@@ -279,8 +279,8 @@ def import_mooncake(path: str | os.PathLike, *, block_tokens: int = BLOCK_TOKENS
     late = [raw[i].line for i in range(1, len(raw)) if raw[i].timestamp_ms < raw[i - 1].timestamp_ms]
     reqs = sorted(raw, key=lambda r: r.timestamp_ms)
     if late:
-        rep.notes.append(f"{len(late)} request(s) listed before an earlier timestamp (first at line {late[0]}): "
-                         f"imported in timestamp order")
+        rep.notes.append(f"{len(late)} request(s) with a timestamp earlier than the line before (first at line "
+                         f"{late[0]}): imported in timestamp order")
     links, trie = link_requests(reqs, block_tokens)
     turns: list[Turn] = []
     clipped = 0
