@@ -10,7 +10,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tangram.errors import InputError
 from tangram.traces import load_trace, save_trace
 from tangram.traces.cli import main
 from tangram.traces.importing import ImportReport
@@ -338,17 +337,17 @@ def test_generated_structure_is_recovered(generated):
 def test_generator_statistics_match_the_published_facts(generated):
     g, _ = generated
     L = np.array([r["input_length"] for r in g.records], dtype=float)
-    O = np.array([r["output_length"] for r in g.records], dtype=float)
+    out = np.array([r["output_length"] for r in g.records], dtype=float)
     ts = np.array([r["timestamp"] for r in g.records]) / 1000.0
     assert len(g.records) == 12_000 and ts[0] == 0 and abs(ts[-1] - 3537.0) < 1.0 and np.all(np.diff(ts) >= 0)
     p50, p90 = np.percentile(L, [50, 90])
     assert abs(p50 / 6900 - 1) < 0.08 and abs(p90 / 27_000 - 1) < 0.08 and abs(L.mean() / 12_000 - 1) < 0.08
     assert L.max() <= 126_000 and L.min() > 512
-    assert abs(O.mean() / 343 - 1) < 0.06 and O.max() == 2000 and O.min() >= 1
+    assert abs(out.mean() / 343 - 1) < 0.06 and out.max() == 2000 and out.min() >= 1
     has = g.parent >= 0
     gap = ts[has] - ts[g.parent[has]]
     assert abs(np.median(gap) / 144 - 1) < 0.1
-    new = L[has] - L[g.parent[has]] - O[g.parent[has]]
+    new = L[has] - L[g.parent[has]] - out[g.parent[has]]
     assert new.min() >= 1 and abs(np.median(new) / 46 - 1) < 0.15 and abs(np.percentile(new, 90) / 4200 - 1) < 0.15
     fc = g.first_child
     sessions = len(L) - fc.sum()

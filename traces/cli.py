@@ -9,7 +9,7 @@ import json
 import math
 import sys
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import cli_errors
 
 from .format import Trace, load_trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
@@ -240,6 +240,9 @@ def _cmd_stats(a) -> int:
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if hasattr(a, "max_context"):
+        a.max_context = _max_context(a)  # an unknown --model fails before any work
+        a.model = None
     try:
         return {"check": _cmd_check, "gen": _cmd_gen, "gen-mooncake": _cmd_gen_mooncake, "import": _cmd_import,
                 "stats": _cmd_stats}[a.cmd](a)

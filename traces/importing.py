@@ -12,7 +12,6 @@ import csv
 import io
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from tangram.errors import InputError
 

@@ -424,5 +424,5 @@ def truth_records(s: MooncakeSynth) -> list[dict]:
              "doc_first": bool(f)} for i, (p, c, d, f) in enumerate(zip(s.parent, s.conversation, s.doc, s.doc_first))]
 
 
-__all__ = ["MooncakeShape", "MooncakeSynth", "generate_mooncake", "write_mooncake", "fit_mooncake_shape", "truth_records"]
-_ = replace  # dataclasses.replace is the way to vary a MooncakeShape: replace(MooncakeShape(), branch_prob=0.1)
+__all__ = ["MooncakeShape", "MooncakeSynth", "generate_mooncake", "write_mooncake", "fit_mooncake_shape",
+           "truth_records"]

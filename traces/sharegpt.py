@@ -132,8 +132,8 @@ def _role(path, line, i, m) -> tuple[str, str]:
         return "assistant", v
     if role in SYSTEM_ROLES:
         return "system", v
-    raise InputError(path, line, f"conversations[{i}].{rk}",
-                     f"unknown role {r!r} (expected one of {', '.join(sorted(USER_ROLES | ASSISTANT_ROLES | SYSTEM_ROLES))})")
+    known = ", ".join(sorted(USER_ROLES | ASSISTANT_ROLES | SYSTEM_ROLES))
+    raise InputError(path, line, f"conversations[{i}].{rk}", f"unknown role {r!r} (expected one of {known})")
 
 
 def render(messages: list[tuple[str, str]]) -> tuple[str, list[tuple[int, int, int]]] | None:
