@@ -120,6 +120,43 @@ def test_parent_with_only_block_0_complete(tmp_path, background):
         assert q0.prefix == q1.prefix == ()
 
 
+def test_multi_block_system_prompt(tmp_path):
+    """A tool-agent style system prompt of three blocks (S1 S2 S3): a request whose complete blocks end inside it
+    (at S2, whose only complete continuation S3 is continued three ways) is never a parent."""
+    sys3 = [1, 2, 3]
+    reqs = [_mc(0, 1100, 10, [1, 2, 90]),  # complete blocks S1 S2 only
+            _mc(10, 2300, 10, sys3 + [11, 12]), _mc(20, 2300, 10, sys3 + [21, 22]),
+            _mc(30, 2300, 10, sys3 + [31, 32]),
+            _mc(40, 2900, 10, sys3 + [11, 13, 14])]  # continues the request at 10 ms: 2300 + 10 + 590
+    t = import_mooncake(_write(tmp_path, reqs))
+    assert [x.turn for x in t.turns] == [0, 0, 0, 0, 1]
+    assert t.turns[4].session_id == t.turns[1].session_id and t.turns[4].new_tokens == 590
+    assert t.turns[0].prefix == (("b1-2", 1024),)  # the shared part of the system prompt
+    assert t.turns[2].prefix == (("b1-2", 1024), ("b3", 512))
+
+
+def test_generated_tool_agent_like_trace():
+    """A three-block shared system prompt instead of one: the importer still recovers the conversations."""
+    from dataclasses import replace
+
+    from tangram.traces.mooncake_gen import MooncakeShape
+
+    g = generate_mooncake(3_000, seed=5, duration_s=900.0, shape=replace(MooncakeShape(), system_tokens=1536,
+                                                                         doc_new_prob=0.0, doc_reuse_prob=0.0))
+    assert all(r["hash_ids"][:3] == [0, 1, 2] for r in g.records)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "raw.jsonl"
+        write_mooncake(g.records, p)
+        links, _ = link_requests(read_mooncake(p))
+    got, truth = np.asarray(links.parent), g.parent
+    L = np.array([r["input_length"] for r in g.records])
+    identifiable = (truth >= 0) & (L[np.maximum(truth, 0)] // 512 > 3)
+    assert (got == truth)[identifiable].mean() > 0.99 and (got == truth)[truth < 0].mean() > 0.99
+    assert ((got >= 0) & (L[np.maximum(got, 0)] // 512 <= 3)).sum() == 0  # no parent inside the system prompt
+
+
 def test_input_exactly_a_multiple_of_512(tmp_path):
     reqs = [_mc(1000, 1536, 100, [0, 51, 52]),  # every block complete
             _mc(2000, 1656, 10, [0, 51, 52, 53])]  # + 100 + 20: the new block is block 3
