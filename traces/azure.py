@@ -1,0 +1,87 @@
+"""Import Azure LLM inference traces (Azure/AzurePublicDataset) as single-turn sessions.
+
+Schema (AzureLLMInferenceDataset2023.md and AzureLLMInferenceDataset2024.md in github.com/Azure/AzurePublicDataset;
+files ``AzureLLMInferenceTrace_{code,conv}.csv`` of 2023 (Splitwise, ISCA'24) and
+``AzureLLMInferenceTrace_{code,conv}_1week.csv`` of 2024 (DynamoLLM)): CSV with header
+``TIMESTAMP,ContextTokens,GeneratedTokens``; TIMESTAMP is the invocation time as a date-time with sub-second
+digits (e.g. ``2023-11-16 18:15:46.6805900``: seven fractional digits, more than Python keeps; a UTC offset may
+follow), ContextTokens the prompt, GeneratedTokens the output.
+
+The traces carry no session or prefix information, so every row is a session of one turn; ``arrival_s`` is the
+row's time minus the earliest row's (microsecond resolution). Rows are sorted by time (stable); rows with 0
+tokens follow the zero-token policy (importing.py).
+"""
+from __future__ import annotations
+
+import os
+import re
+from datetime import datetime, timezone
+
+from tangram.errors import InputError
+
+from .format import Trace, Turn, default_request_id
+from .importing import ImportReport, check_policy, iter_csv, parse_int, zero_tokens
+
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+_FRACTION = re.compile(r"(\.\d{6})\d+")  # keep microseconds: 2023 rows have 7 fractional digits
+
+
+def parse_datetime(path: str, line: int, fld: str, s: str) -> datetime:
+    """An ISO-like date-time (space or T separator, any number of fractional digits, optional offset) in UTC."""
+    t = _FRACTION.sub(r"\1", s.strip())
+    try:
+        dt = datetime.fromisoformat(t)
+    except ValueError:
+        raise InputError(path, line, fld, f"expected a date-time like 2023-11-16 18:15:46.6805900, got {s!r}") \
+            from None
+    if dt.tzinfo is not None:  # offsets are converted; naive times are taken as UTC
+        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
+    return dt
+
+
+def _meta_key(col: str) -> str:
+    return "x_" + re.sub(r"[^0-9a-zA-Z]+", "_", col).strip("_").lower()
+
+
+def import_azure(path: str | os.PathLike, *, zero: str = "skip", limit: int | None = None,
+                 report: ImportReport | None = None) -> Trace:
+    """Every row a one-turn session; ``limit`` keeps the first N data rows of the file."""
+    p = str(path)
+    check_policy(zero)
+    rep = report if report is not None else ImportReport("azure", p)
+    rep.format, rep.source = "azure", p
+    rows = []
+    with iter_csv(p, COLUMNS) as (header, it):
+        extra = [h for h in header if h not in COLUMNS]
+        for line, row in it:
+            if limit is not None and rep.rows >= limit:
+                break
+            rep.rows += 1
+            ts = parse_datetime(p, line, "TIMESTAMP", row["TIMESTAMP"])
+            ctx = parse_int(p, line, "ContextTokens", row["ContextTokens"])
+            gen = parse_int(p, line, "GeneratedTokens", row["GeneratedTokens"])
+            if ctx < 1:
+                ctx = zero_tokens(rep, zero, p, line, "ContextTokens", ctx, "empty prompt")
+            if ctx is not None and gen < 1:
+                gen = zero_tokens(rep, zero, p, line, "GeneratedTokens", gen, "no output")
+            if ctx is None or gen is None:
+                continue
+            meta = {"x_line": line, **{_meta_key(h): row[h] for h in extra}}
+            rows.append((ts, ctx, gen, meta))
+    if not rows:
+        raise InputError(p, None, None, "no importable rows (empty trace, or every row skipped: "
+                                        + "; ".join(rep.lines()) + ")")
+    late = sum(1 for a, b in zip(rows, rows[1:]) if b[0] < a[0])
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    turns = []
+    for i, (ts, ctx, gen, meta) in enumerate(rows):
+        sid = f"az{i}"
+        arrival = round((ts - t0).total_seconds(), 6)
+        turns.append(Turn(default_request_id(sid, 0), sid, 0, arrival, 0.0, ctx, gen, meta=meta))
+    rep.facts.update({"requests": len(turns), "sessions": len(turns),
+                      "arrival_span_s": turns[-1].arrival_s, "t0": t0.isoformat(sep=" ")})
+    if late:
+        rep.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
+    rep.notes.append("no session or prefix data in this format: every request is a one-turn session")
+    return Trace(turns, f"azure:{p}")
