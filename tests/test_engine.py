@@ -132,7 +132,7 @@ def test_sampling_temperature_top_p():
 
 def test_smollm2_gguf_multiturn_session():
     """The real SmolLM2 GGUF, a 2-turn chat served through the executor in tangram mode, text prompts tokenized."""
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model, smollm2_gguf_path
 
     model, info = load_model("smollm2-135m", "auto")

@@ -85,7 +85,7 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_smollm2_gguf_matches_transformers_multiturn(smollm2):
     """Acceptance: fp32 logits within 1e-3 relative error over a multi-turn chat prompt, prefill + 32 decode steps."""
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     cfg, sd, _ = smollm2
     torch.manual_seed(0)
     model = build_model(cfg, sd)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tangram.config import get_model
 from tangram.engine.model import Session
-from tangram.engine.tokenizer import CHATML_TEMPLATE, _chatml, load_tokenizer
+from tangram.tokenizer import CHATML_TEMPLATE, _chatml, load_tokenizer
 from tangram.engine.weights import (build_model, load_model, load_safetensors_dir, random_state_dict,
                                     _read_safetensors_plain)
 from tangram.errors import InputError

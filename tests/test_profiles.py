@@ -154,7 +154,7 @@ def test_attention_probs_masks_and_normalises():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     model, info = load_model("smollm2-135m", "auto")
     return model, load_tokenizer(info["gguf_path"])

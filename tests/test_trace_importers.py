@@ -166,7 +166,7 @@ def test_burstgpt_bad_rows(tmp_path, row, field, frag):
 @pytest.fixture(scope="module")
 def tokenizer():
     pytest.importorskip("gguf")
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer()

@@ -12,7 +12,7 @@ cannot be a turn (no output) and is dropped; both are counted in the report.
 
 Token counts (docs/traces.md, "ShareGPT importer"): the conversation is rendered once in ChatML, the template
 SmolLM2's GGUF ships (``<|im_start|>{role}\\n{text}<|im_end|>``, the answer ends with its ``<|im_end|>``), and
-encoded with the project's SmolLM2 tokenizer (tangram/engine/tokenizer.py); a turn's new tokens are the tokens
+encoded with the project's SmolLM2 tokenizer (tangram/tokenizer.py); a turn's new tokens are the tokens
 starting inside its prompt span, its output the tokens starting inside its answer span, so a session's context
 is exactly the token count of the rendered conversation. No default system prompt is added.
 
@@ -231,7 +231,7 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
     if not convs:
         raise InputError(p, None, None, "no importable conversations (" + "; ".join(rep.lines()) + ")")
     if tokenizer is None:  # after validating the input: loading the GGUF takes seconds
-        from tangram.engine.tokenizer import load_tokenizer
+        from tangram.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer()
     tok = tokenizer.tok

@@ -314,7 +314,7 @@ def run(args) -> dict:
         raise ConfigError(f"weights {r['weights']} do not have {spec.model.name}'s shape")
     tokenizer = None
     if info.get("gguf_path") and any(t.text for t in trace.turns):
-        from tangram.engine.tokenizer import load_tokenizer
+        from tangram.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(info["gguf_path"])
     sampling = SamplingParams(args.temperature, args.top_p, seed)

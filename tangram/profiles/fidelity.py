@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from tangram.profiles.retention import retention_samples
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     args = build_parser().parse_args(argv)
     t_start = time.time()

