@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tangram.errors import InputError
 from tangram.traces import load_trace
@@ -244,3 +246,33 @@ def test_json_documents_lines(tmp_path):
     assert list(iter_json_documents(str(p))) == [(1, {"a": 1}), (2, {"b": 2})]
     p.write_text("[]")
     assert list(iter_json_documents(str(p))) == []
+
+
+# --------------------------------------------------------------------------- fuzz: load or fail with a location
+
+_cells = st.one_of(st.sampled_from(["", "0", "12", "-3", "4.5", "abc", "2023-11-16 18:15:46.6805900",
+                                    "2024-05-10 00:00:00+00:00", "Conversation log", "API log", "ChatGPT"]),
+                   st.text(st.characters(codec="utf-8"), max_size=6))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.sampled_from(["azure", "burstgpt"]), st.lists(st.lists(_cells, min_size=1, max_size=7), max_size=6))
+def test_fuzzed_csv_imports_or_fails_cleanly(tmp_path, fmt, rows):
+    import csv
+    import io
+
+    header = ("TIMESTAMP,ContextTokens,GeneratedTokens" if fmt == "azure" else
+              "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type")
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    p = tmp_path / "f.csv"
+    p.write_text(header + "\n" + buf.getvalue())
+    fn = import_azure if fmt == "azure" else import_burstgpt
+    try:
+        t = fn(p)
+    except InputError as e:
+        assert str(e).startswith(str(p)) and "\n" not in str(e)
+        assert e.line is None or 1 <= e.line <= p.read_text().count("\n") + 1
+    else:
+        t.validate()
+        assert all(x.new_tokens >= 1 and x.output_tokens >= 1 for x in t.turns)

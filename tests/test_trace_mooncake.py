@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from tangram.traces import load_trace, save_trace
 from tangram.traces.cli import main
 from tangram.traces.importing import ImportReport
-from tangram.traces.mooncake import COMMON_FANOUT, MAX_CANDIDATES, import_mooncake, link_requests, read_mooncake
+from tangram.traces.mooncake import (COMMON_FANOUT, MAX_CANDIDATES, import_mooncake, import_mooncake_records,
+                                     link_requests, read_mooncake)
 from tangram.traces.mooncake_gen import generate_mooncake, truth_records, write_mooncake
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,6 +348,8 @@ def test_generated_structure_is_recovered(generated):
     fc = g.first_child
     n_sessions_truth = len(truth) - int(fc.sum())
     t = import_mooncake(p)
+    mem = import_mooncake_records(g.records)  # the same import without a file
+    assert mem.turns == t.turns and mem.source == "mooncake:<memory>"
     assert abs(t.num_sessions - n_sessions_truth) <= int((~ok).sum())
     assert sum(1 for x in t.turns if "x_branch_of" in x.meta) >= 0.9 * int(((truth >= 0) & ~fc).sum())
     # every request carries block 0; every document request carries the whole document's blocks

@@ -12,7 +12,7 @@ from .burstgpt import import_burstgpt
 from .format import Trace, Turn, load_trace, save_trace
 from .generate import BANDS, CATEGORIES, Dist, category_of, generate
 from .importing import ImportReport
-from .mooncake import import_mooncake
+from .mooncake import import_mooncake, import_mooncake_records
 from .mooncake_gen import MooncakeShape, MooncakeSynth, generate_mooncake, write_mooncake
 from .sharegpt import import_sharegpt
 from .stats import sanity_warnings, summary
@@ -30,7 +30,7 @@ def long_multiturn_trace_path() -> Path:
     return DATA_DIR / "long_multiturn.jsonl"
 
 
-__all__ = ["Trace", "Turn", "load_trace", "save_trace", "generate", "import_mooncake", "import_azure",
-           "import_burstgpt", "import_sharegpt", "ImportReport", "generate_mooncake", "write_mooncake",
+__all__ = ["Trace", "Turn", "load_trace", "save_trace", "generate", "import_mooncake", "import_mooncake_records",
+           "import_azure", "import_burstgpt", "import_sharegpt", "ImportReport", "generate_mooncake", "write_mooncake",
            "MooncakeShape", "MooncakeSynth", "sanity_warnings", "summary", "Dist", "BANDS", "CATEGORIES",
            "category_of", "default_trace_path", "long_multiturn_trace_path", "DATA_DIR"]

@@ -58,10 +58,14 @@ def read_mooncake(path: str | os.PathLike, *, block_tokens: int = BLOCK_TOKENS, 
                   report: ImportReport | None = None) -> list[MooncakeRequest]:
     """Validated requests in file order; every problem is ``file:line: field: message``."""
     p = str(path)
+    return _validate(iter_json_lines(p), p, block_tokens, zero, report)
+
+
+def _validate(records, p: str, block_tokens: int, zero: str, report: ImportReport | None) -> list[MooncakeRequest]:
     check_policy(zero)
     rep = report if report is not None else ImportReport("mooncake", p)
     out = []
-    for line, obj in iter_json_lines(p):
+    for line, obj in records:
         rep.rows += 1
         if not isinstance(obj, dict):
             raise InputError(p, line, None, "expected a JSON object (one Mooncake request per line)")
@@ -270,12 +274,25 @@ def import_mooncake(path: str | os.PathLike, *, block_tokens: int = BLOCK_TOKENS
     ``input/prefill + output/decode`` seconds, floored at 0.
     """
     p = str(path)
+    return _import(lambda rep: read_mooncake(p, block_tokens=block_tokens, zero=zero, report=rep), p,
+                   block_tokens, service_rate, report)
+
+
+def import_mooncake_records(records: list[dict], *, source: str = "<memory>", block_tokens: int = BLOCK_TOKENS,
+                            zero: str = "skip", service_rate: str | tuple[float, float] | None = None,
+                            report: ImportReport | None = None) -> Trace:
+    """``import_mooncake`` of in-memory request dicts (e.g. ``generate_mooncake(...).records``); line = index + 1."""
+    return _import(lambda rep: _validate(enumerate(records, start=1), source, block_tokens, zero, rep), source,
+                   block_tokens, service_rate, report)
+
+
+def _import(read, p: str, block_tokens, service_rate, report) -> Trace:
     rate = _service_rate(service_rate)
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         raise ConfigError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
     rep = report if report is not None else ImportReport("mooncake", p)
     rep.format, rep.source = "mooncake", p
-    raw = read_mooncake(p, block_tokens=block_tokens, zero=zero, report=rep)
+    raw = read(rep)
     late = [raw[i].line for i in range(1, len(raw)) if raw[i].timestamp_ms < raw[i - 1].timestamp_ms]
     reqs = sorted(raw, key=lambda r: r.timestamp_ms)
     if late:
@@ -290,7 +307,6 @@ def import_mooncake(path: str | os.PathLike, *, block_tokens: int = BLOCK_TOKENS
         meta = {"x_line": r.line, **r.extra}
         par = links.parent[i]
         if links.branch[i]:
-            q = reqs[par]
             meta["x_branch_of"] = default_request_id(f"mc{links.session[par]}", links.turn[par])
         if k == 0:
             t = Turn(default_request_id(sid, 0), sid, 0, r.timestamp_ms / 1000.0, 0.0, r.input_length,
