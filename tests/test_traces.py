@@ -213,7 +213,7 @@ def _traces(draw):
             think_time_s=0.0 if j == 0 else draw(st.floats(0, 1e4, allow_nan=False)),
             new_tokens=new, output_tokens=draw(st.integers(1, 10**5)),
             shared_context_tokens=draw(st.integers(0, new)) if j == 0 else 0,
-            prefix=tuple(draw(st.lists(st.tuples(_ident, st.integers(1, max(1, new // 4))), max_size=3))),
+            prefix=tuple(draw(st.lists(st.tuples(_ident, st.integers(1, max(1, new // 4))), max_size=min(3, new)))),
             text=draw(st.one_of(st.none(), st.text(max_size=20))),
             meta=draw(st.dictionaries(_ident.map(lambda x: "x_" + x), st.one_of(st.integers(), st.text(max_size=5)),
                                       max_size=2))))
