@@ -20,7 +20,7 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "preemptions", "session_evictions"]
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead"}
+            "tables", "calibration", "slo", "target_rate", "engine_overhead", "probe"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", "--calibration", dest="tables",
                    help="folder of cost tables (default sim/tables/<gpu>/; 'none': "
                                          "roofline only)")
+    p.add_argument("--probe", metavar="FILE",
+                   help="rescale the cost tables to the machine a tangram-probe JSON was measured on")
     p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
                    help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
                         "issue/sync overhead (engine_overhead.json of the tables folder)")
@@ -158,6 +160,11 @@ def resolve(args) -> dict:
         tables = None
     elif tables != "auto" and not Path(tables).is_dir():
         raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
+    probe = getattr(args, "probe", None) or cfg.get("probe")
+    if probe:  # rescaled once here; every replica and mode shares the result
+        from tangram.sim.tables import resolve as resolve_tables
+
+        tables = resolve_tables(tables, gpu, probe)
     from tangram.sim.costmodel import CostParams
 
     eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
