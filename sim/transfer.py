@@ -10,7 +10,8 @@ apart). The probe (``tangram.sim.probe``) timed points that are points of the ta
   token counts (1 ... 8192) and flat beyond: few tokens stream the weights, many are tensor-core bound, and a
   machine can differ in either. A shape the probe did not time takes the geometric mean of the probed shapes'
   ratios at its token count.
-* element-wise rows (memory-bound) scale their time above the op's latency floor by the copy-bandwidth ratio.
+* element-wise rows (memory-bound) scale their bytes' part (at the op's best rate, at most the time above the
+  op's latency floor) by the copy-bandwidth ratio.
 * decode-attention rows scale by the decode points' ratio, interpolated in log bytes between the small point
   (B = 1, 1K tokens: the launch floor) and the large one (B = 64, 8K tokens: the streaming rate).
 * prefill-attention rows scale their time above the model's floor by the prefill point's ratio of the same
@@ -30,13 +31,17 @@ probe of a machine s times slower everywhere multiplies every probed class by s.
 is split into a latency floor f (kept) and the rest ``e = t - f``, and e is split into a bandwidth and a compute
 part by a roofline with the operator's efficiencies fitted on the source (the best bytes/s and FLOP/s any of the
 op's rows achieved above the floor): with ``tb = bytes / rate_b`` and ``tf = flops / rate_f`` of the row,
-``t' = f + e * max(tb / r_b, tf / r_f) / max(tb, tf)``. Per class:
+``t' = t + w * (max(tb / r_b, tf / r_f) / max(tb, tf) - 1)`` with ``w = min(e, max(tb, tf))``: the roofline part
+scales, the rest (floor, launch gaps, a stalled measurement) is kept; a row on its roofline has ``w = e``. Per
+class:
 
 * GEMM: bytes ``(nk + mk + mn) x 2``, FLOPs ``2mnk``; floor = the file's fastest GEMM (a call with no work to
-  speak of; 6.7 us on the shipped H100 tables, smollm2's o-projection at one token).
-* element-wise: memory-bound (``e / r_b``); floor = the op's time at its smallest size (per model and width).
-* decode attention: memory-bound (``e / r_b``); floor = the intercept of the model's balanced-call fit
-  (``a`` of ``a + bytes / BW``), so the fitted bandwidth scales by ``r_b`` and the intercept stays.
+  speak of; 6.7 us on the shipped H100 tables, smollm2's o-projection at 4 tokens).
+* element-wise: memory-bound, bytes from the table's GB/s column, the rate at the op's largest size; floor = the
+  op's time at its smallest size (per model and width): a 4-token RoPE (ten small launches) stays, an 8K-token
+  RMSNorm speeds up by ``r_b``.
+* decode attention: memory-bound, ``tb`` = bytes at the bandwidth of the model's balanced-call fit
+  (``a + bytes / BW``); floor = its intercept ``a``, so the fitted bandwidth scales by ``r_b`` and ``a`` stays.
 * prefill attention: roofline of FLOPs ``4 d g (c x cached + H c^2 / 2)`` and bytes (cached K/V + the chunk's
   q/k/v/o); floor = the model's fastest row. Compression's scoring, top-k and scatter are kept: on the source
   they are latency floors (flat over an 8x range of chunk sizes, their work a few microseconds).
@@ -165,13 +170,17 @@ class RooflineFit:
     """Per group of rows (one operator of one model): the latency floor and the best achieved bytes/s and FLOP/s
     above it, fitted on the source tables; applied to those rows or to probe points of the same group."""
 
-    def __init__(self, keys, t_s, byts, flops, floor):
+    def __init__(self, keys, t_s, byts, flops, floor, largest: bool = False):
+        """``largest``: take each group's rates at its row with the most bytes instead of the best over its rows
+        (a purely memory-bound op, whose small rows sit within noise of the floor and would inflate the best)."""
         self.floor = floor  # scalar or {key: seconds}
         self.rate_b, self.rate_f = {}, {}
         e = np.maximum(t_s - self._floor(keys), 0.0)
         ok = e > 0
         for key in np.unique(keys):
             i = (keys == key) & ok
+            if largest and i.any():
+                i = np.flatnonzero(i)[[int(np.argmax(byts[i]))]]
             self.rate_b[key] = float(np.max(byts[i] / e[i])) if i.any() and byts[i].max() > 0 else 0.0
             self.rate_f[key] = float(np.max(flops[i] / e[i])) if i.any() and flops[i].max() > 0 else 0.0
 
@@ -181,7 +190,9 @@ class RooflineFit:
         return np.full(len(keys), float(self.floor))
 
     def apply(self, keys, t_s, byts, flops, rb, rf, fallback: tuple[float, float]) -> np.ndarray:
-        """New seconds: floor kept, the rest scaled by the roofline factor at this group's efficiencies."""
+        """New seconds: the roofline part of each row, ``w = min(t - floor, max(tb, tf))`` at this group's
+        efficiencies, scales by the roofline factor; the rest (the floor, launch gaps, a stalled measurement) is
+        kept. Rows on their roofline have ``w = t - floor``."""
         f = np.minimum(self._floor(keys), t_s)
         e = t_s - f
         rb_ = np.array([self.rate_b.get(k, fallback[0]) for k in keys])
@@ -189,7 +200,7 @@ class RooflineFit:
         tb = np.where(rb_ > 0, byts / np.where(rb_ > 0, rb_, 1.0), 0.0)
         tf = np.where(rf_ > 0, flops / np.where(rf_ > 0, rf_, 1.0), 0.0)
         R = roofline_factor(tb, tf, rb, rf)
-        return t_s + e * (R - 1.0)
+        return t_s + np.minimum(e, np.maximum(tb, tf)) * (R - 1.0)
 
     def efficiencies(self, bw: float, peak: float) -> dict:
         return {k: {"bandwidth": self.rate_b[k] / bw, "compute": self.rate_f[k] / peak} for k in self.rate_b}
@@ -200,7 +211,8 @@ def _group_min(keys, t_s) -> dict:
 
 
 def _decode_floors(tables: CostTables, keys) -> dict:
-    """Per model: the intercept of the balanced-call fit (the cost model's a), else the model's fastest row."""
+    """Per model: (floor, bandwidth): the intercept and bandwidth of the balanced-call fit (the cost model's
+    ``a + bytes / BW``; the floor no higher than the fastest row), else (the fastest row, None)."""
     df = tables.decode
     out = {}
     for k in np.unique(keys):
@@ -208,7 +220,7 @@ def _decode_floors(tables: CostTables, keys) -> dict:
         fit = tables.decode_fit(m) if m is not None else None
         rows = df[_keys(df, ["model"]) == k] if "model" in df.columns else df
         tmin = float(rows["median_ms"].min()) * 1e-3
-        out[k] = min(fit[0], tmin) if fit is not None else tmin
+        out[k] = (min(fit[0], tmin), fit[1]) if fit is not None else (tmin, None)
     return out
 
 
@@ -327,8 +339,21 @@ def _elem_keys(df):
     return _keys(df, ["model", "op", "hidden"])
 
 
-def _elem_fit(df) -> dict:
-    return _group_min(_elem_keys(df), df["median_ms"].to_numpy(float) * 1e-3)
+def _elem_bytes(df) -> np.ndarray | None:
+    """Bytes each element-wise row moved, from the table's own GB/s column (kernels/bench.py counts them)."""
+    if "gbps" not in df.columns:
+        return None
+    b = df["gbps"].to_numpy(float) * 1e9 * df["median_ms"].to_numpy(float) * 1e-3
+    return b if np.all(np.isfinite(b)) else None
+
+
+def _elem_fit(df):
+    """Per (model, op, width): the op's time at its smallest size as the floor, and the bytes/s above it at its
+    largest size."""
+    keys, t = _elem_keys(df), df["median_ms"].to_numpy(float) * 1e-3
+    floors = _group_min(keys, t)
+    b = _elem_bytes(df)
+    return floors if b is None else RooflineFit(keys, t, b, np.zeros_like(b), floor=floors, largest=True)
 
 
 def _floor_scaled(t_s, floors, keys, factor):
@@ -336,11 +361,19 @@ def _floor_scaled(t_s, floors, keys, factor):
     return t_s + (t_s - f) * (factor - 1.0)
 
 
-def _elem_apply(df, floors: dict, rb):
+def _elem_apply(df, fit, rb):
+    """Memory-bound: the bytes' part of each row (at the op's best rate, at most its time above the floor)
+    scales by 1 / rb; the launch-bound rest (a 4-token RoPE is ten small launches) stays. A table without a GB/s
+    column scales the whole time above the floor."""
     df = df.copy()
     t = df["median_ms"].to_numpy(float) * 1e-3
-    _retime(df, "median_ms", _factor(t, _floor_scaled(t, floors, _elem_keys(df), 1.0 / rb)),
-            rate_cols=("p20_ms", "p80_ms"), inverse_cols=("gbps",))
+    keys = _elem_keys(df)
+    b = _elem_bytes(df)
+    if isinstance(fit, RooflineFit) and b is not None:
+        new = fit.apply(keys, t, b, np.zeros_like(b), rb, 1.0, (0.0, 0.0))
+    else:
+        new = _floor_scaled(t, fit.floor if isinstance(fit, RooflineFit) else fit, keys, 1.0 / rb)
+    _retime(df, "median_ms", _factor(t, new), rate_cols=("p20_ms", "p80_ms"), inverse_cols=("gbps",))
     return df
 
 
@@ -348,10 +381,19 @@ def _decode_fit(tables: CostTables) -> dict:
     return _decode_floors(tables, _keys(tables.decode, ["model"]))
 
 
-def _decode_apply(df, floors: dict, rb):
+def _decode_apply(df, fits: dict, rb):
+    """Memory-bound: each row's bytes at the model's fitted bandwidth (at most its time above the intercept)
+    scale by 1 / rb; the intercept and what a row spends beyond its bytes (a straggler CTA, bound by memory
+    latency rather than bandwidth) stay."""
     df = df.copy()
     t = df["median_ms"].to_numpy(float) * 1e-3
-    new = _floor_scaled(t, floors, _keys(df, ["model"]), 1.0 / rb)
+    keys = _keys(df, ["model"])
+    floor = np.minimum(np.array([fits.get(k, (0.0, None))[0] for k in keys]), t)
+    bw = np.array([fits.get(k, (0.0, None))[1] or np.nan for k in keys], float)
+    e = t - floor
+    tb = df["bytes"].to_numpy(float) / bw if "bytes" in df.columns else np.full(len(df), np.nan)
+    w = np.where(np.isfinite(tb), np.minimum(e, tb), e)
+    new = t + w * (1.0 / rb - 1.0)
     _retime(df, "median_ms", _factor(t, new), rate_cols=("p20_ms", "p80_ms"), inverse_cols=("achieved_gbps",))
     if "total_ms" in df.columns and "plan_ms" in df.columns:
         plan = df["plan_ms"].to_numpy(float)
