@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", "--calibration", dest="tables",
                    help="folder of cost tables (default sim/tables/<gpu>/; 'none': "
                                          "roofline only)")
+    p.add_argument("--probe", metavar="FILE",
+                   help="rescale the cost tables to the machine a tangram-probe JSON was measured on")
     p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
                    help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
                         "issue/sync overhead (engine_overhead.json of the tables folder)")

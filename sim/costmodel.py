@@ -23,7 +23,7 @@ from tangram.plan import StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
 
 from . import engine_overhead
-from .tables import CostTables, tables_dir_for
+from .tables import resolve as resolve_tables
 
 HOST_COEFFS_PATH = Path(__file__).resolve().parent / "tables" / "host_coeffs.json"
 
@@ -105,7 +105,7 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
     rows = rows[rows["profile_seed"].notna() & (rows["profile_seed"].astype(str) != "")]
     if len(rows) == 0:
         return None
-    key = (str(t.directory), cm.model.name, cm.gpu.name, cm.n_occ, round(cm.dec_bw), round(cm.dec_launch * 1e9))
+    key = (t.fingerprint, cm.model.name, cm.gpu.name, cm.n_occ, round(cm.dec_bw), round(cm.dec_launch * 1e9))
     if key in _CTA_FIT_CACHE:
         return _CTA_FIT_CACHE[key]
     rows = rows.sort_values(["batch", "context", "rho"]).iloc[:: max(1, len(rows) // 24)]
@@ -141,8 +141,8 @@ class CostModel:
         self.profile = profile.with_alpha(engine.alpha) if profile is not None else None
         self.params = params or CostParams()
         self.host = host or HostCoeffs.load()
-        cal_dir = tables_dir_for(gpu.name) if tables == "auto" else tables
-        self.tables = CostTables.load(cal_dir)
+        # "auto", a folder, None or a CostTables; measured on another GPU model -> transferred by datasheet
+        self.tables = resolve_tables(tables, gpu)
         self.seed = seed
         self.partition = engine.partition
         if engine.retention == "global" and self.profile is None:
@@ -224,6 +224,15 @@ class CostModel:
             self.sources["reclaim"] = f"host: pages x reclaim_page_s + rows x compress_row_s ({self.host.source})"
         if self.partition == "runtime":
             self.sources["runtime_plan"] = f"host: runtime_plan host_items x runtime_plan_item_s ({self.host.source})"
+        if self.tables.provenance:  # tables measured elsewhere: every table-priced operator says so
+            lab = self.tables.label
+            self.sources = {k: f"{v} [{lab}]" if v.startswith("table:") else v for k, v in self.sources.items()}
+            self.sources["cost_tables"] = lab
+            moved = [p for p in self.tables.provenance if p.get("kind") == "transfer"]
+            if self.overhead is not None and moved:
+                self.sources["engine_overhead"] += (f"; carried over unchanged from the {moved[0]['from']} fit (its "
+                                                    f"kernel scales and issue/sync seconds assumed to hold on "
+                                                    f"{moved[-1]['to']})")
 
     # ------------------------------------------------------------------ executor
     def execute(self, plan: StepPlan) -> StepResult:
@@ -433,7 +442,8 @@ class CostModel:
         cal = None if self.tables.directory is None else {
             "dir": str(self.tables.directory.relative_to(self.tables.directory.parents[2]))
             if len(self.tables.directory.parents) > 2 else str(self.tables.directory),
-            "date": m.get("date"), "command": m.get("command"), "gpu": m.get("gpu_name")}
+            "date": m.get("date"), "command": m.get("command"), "gpu": m.get("gpu_name"),
+            "provenance": [p["label"] for p in self.tables.provenance]}
         return {"sources": dict(sorted(self.sources.items())), "n_cta": self.n_cta, "tables": cal,
                 "decode_bandwidth_bytes_per_s": self.dec_bw, "params": asdict(self.params),
                 "host": asdict(self.host)}

@@ -94,6 +94,9 @@ def _parser():
                         "--steps-csv and print predicted vs measured per term; fits nothing")
     p.add_argument("--out-dir", help="tables folder to write engine_overhead.json into (default: the GPU's)")
     p.add_argument("--steps-csv", help="also write every recorded step here")
+    p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
+                   help="record this machine's probe (tangram-probe; or a probe JSON of it) as the folder's "
+                        "reference_probe.json: later probes of other machines are compared with it")
     return p
 
 
@@ -170,6 +173,14 @@ def run(a) -> dict:
         prov["triton"] = triton.__version__
     except ImportError:
         pass
+    if a.probe:  # the machine the coefficients describe: tables rescaled to another machine go by probe / this
+        from .probe import load_probe, run_probe, save_probe
+        from .tables import REFERENCE_PROBE
+
+        probe = run_probe([spec.model], device=device.type, command="tangram-fit-engine --probe") \
+            if a.probe == "run" else load_probe(a.probe)
+        prov["reference_probe"] = str(save_probe(probe, directory / REFERENCE_PROBE))
+        print(f"reference probe of {probe['device'].get('name')} written to {prov['reference_probe']}")
     path = engine_overhead.save(directory, spec.model.name, ov, stats, prov)
     print("coefficients (s): " + ", ".join(f"{k}={v:.3g}" for k, v in ov.coefficients().items()))
     print(f"fit over {stats['steps']} steps: median |rel err| {stats['median_abs_rel_err']:.3f}, total "

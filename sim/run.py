@@ -8,12 +8,14 @@ from tangram.scheduler import Scheduler
 from tangram.spec import DeploymentSpec
 
 from .costmodel import CostModel, CostParams
+from .tables import resolve as resolve_tables
 
 
 def build_replica(spec: DeploymentSpec, engine: EngineConfig, idx: int) -> tuple[Scheduler, CostModel]:
     pool = kv_pool_bytes(spec.model, spec.gpu, engine)
     sched = Scheduler(spec.model, engine, spec.profile, pool_bytes=pool)
-    cm = CostModel(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=spec.tables,
+    tables = resolve_tables(spec.tables, spec.gpu, spec.probe) if spec.probe else spec.tables  # cached per probe
+    cm = CostModel(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=tables,
                    params=CostParams(engine_overhead=spec.engine_overhead), seed=spec.seed * 1009 + idx)
     return sched, cm
 

@@ -86,6 +86,11 @@ MODELS: dict[str, ModelConfig] = {
 
 @dataclass(frozen=True)
 class GPUConfig:
+    """Datasheet figures of a GPU model. The cost tables of one model are carried to another by the ratios of
+    these figures (``tangram.sim.transfer``), so every figure the transfer reads is here: memory bandwidth and
+    dense bf16 rate scale the bandwidth and compute parts of each measured kernel time, and the per-SM limits
+    with ``num_sms`` re-derive the decode kernel's resident CTAs (occupancy x SMs)."""
+
     name: str
     memory_bytes: int
     mem_bandwidth: float  # bytes/s
@@ -93,18 +98,32 @@ class GPUConfig:
     bf16_flops: float  # dense tensor-core FLOP/s
     l2_bytes: int
     source: str = "datasheet"
+    # per-SM limits of the occupancy calculation (tangram.kernels.decode.DeviceLimits); Hopper's by default
+    smem_per_sm: int = 233472  # shared memory a block can use per SM (228 KiB on Hopper)
+    regs_per_sm: int = 65536
+    max_threads_per_sm: int = 2048
+    max_blocks_per_sm: int = 32
+
+    @property
+    def family(self) -> str:
+        """``h100-80gb`` -> ``h100``: cost tables are per GPU family (sim/tables/<family>/), not per memory size."""
+        return self.name.lower().split("-")[0]
 
 
 GIB = 1024**3
 GPUS: dict[str, GPUConfig] = {
     g.name: g
     for g in [
-        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2.
+        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2;
+        # compute capability 9.0: 228 KiB of shared memory per SM for blocks (what torch reports on the H100 of
+        # sim/tables/h100/meta.json), 64K registers, 2048 threads and 32 blocks per SM (the H200 alike).
         GPUConfig("h100-80gb", 80 * 10**9, 3.35e12, 132, 989e12, 50 * 2**20),
         # NVIDIA H200 SXM datasheet: 141 GB HBM3e, 4.8 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 60 MB L2.
         GPUConfig("h200", 141 * 10**9, 4.8e12, 132, 989e12, 60 * 2**20),
-        # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2.
-        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20),
+        # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2;
+        # CUDA programming guide (compute capability 8.0): 164 KiB of shared memory per SM for blocks, 64K
+        # registers, 2048 threads and 32 blocks per SM.
+        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936),
     ]
 }
 
@@ -255,6 +274,19 @@ def get_gpu(name: str) -> GPUConfig:
     return GPUS[key]
 
 
+def gpu_for_device_name(device_name: str | None) -> GPUConfig | None:
+    """The preset of a device as torch or nvidia-smi names it (``NVIDIA H100 80GB HBM3`` -> ``h100-80gb``), by
+    the family in its name; None when no preset's family appears in it. Only SXM parts have presets, so an
+    ``H100 PCIe`` (2.0 TB/s, 114 SMs) also maps to ``h100-80gb``: name the preset yourself for such a part."""
+    if not device_name:
+        return None
+    words = device_name.lower().replace("-", " ").split()
+    for g in GPUS.values():
+        if g.family in words:
+            return g
+    return None
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -265,5 +297,5 @@ def ceil_div(a: int, b: int) -> int:
 
 __all__ = [
     "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES",
-    "get_model", "get_gpu", "kv_pool_bytes", "divisors", "ceil_div",
+    "get_model", "get_gpu", "gpu_for_device_name", "kv_pool_bytes", "divisors", "ceil_div",
 ]

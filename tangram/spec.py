@@ -15,7 +15,7 @@ from tangram.harness.slo import parse_slo
 
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead", "weights", "out"}
+            "tables", "calibration", "slo", "target_rate", "engine_overhead", "weights", "out", "probe"}
 
 
 @dataclass
@@ -31,6 +31,7 @@ class DeploymentSpec:
     seed: int = 0
     tables: object = "auto"  # cost tables folder for the simulator ("auto": the GPU's; None: roofline only)
     engine_overhead: bool = True  # the simulator prices the eager engine's fitted per-step overhead
+    probe: str | None = None  # a tangram-probe JSON of the machine at hand: the simulator rescales its tables to it
 
 
 def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0) -> BudgetProfile:
@@ -131,7 +132,10 @@ def resolve(args, default_out: str) -> dict:
     eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
     if not isinstance(eo, bool):
         raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
-    spec = DeploymentSpec(model, gpu, engine, profile, replicas, router, seed, tables, eo)
+    probe = getattr(args, "probe", None) or cfg.get("probe")
+    if probe is not None and not Path(probe).is_file():
+        raise ConfigError(f"--probe: {probe} is not a file (a tangram-probe JSON)")
+    spec = DeploymentSpec(model, gpu, engine, profile, replicas, router, seed, tables, eo, probe)
     return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
             "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
             "out": Path(args.out or cfg.get("out", default_out)), "config": cfg}

@@ -60,3 +60,70 @@ def test_validate_bad_config_is_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def _configs(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"session_id": "a", "turn": 0, "arrival_s": 0.0, "new_tokens": 300, "output_tokens": 6}\n'
+                     '{"session_id": "b", "turn": 0, "arrival_s": 0.1, "new_tokens": 170, "output_tokens": 4}\n')
+    cfgs = []
+    for name, mode in (("a", "tangram"), ("b", "full")):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"model": "llama-3.1-8b", "gpu": "h100", "mode": mode, "heads_per_group": 4,
+                                 "chunk_size": 128, "kv_pool_bytes": 256 * 2**20}))
+        cfgs.append(str(p))
+    return trace, cfgs
+
+
+def test_predict_only_on_a_gpu_without_tables_says_transferred(tmp_path):
+    """--predict-only needs no device; --gpu h200 prices the configs with the H100 tables transferred by datasheet,
+    and the saved prediction names that (a memory-bound decode step is faster on the H200's bandwidth)."""
+    from tangram.sim.tables import tables_dir_for
+
+    if not (tables_dir_for("h100-80gb") / "gemm.csv").exists():
+        pytest.skip("no H100 cost tables installed")
+    trace, cfgs = _configs(tmp_path)
+    preds = {}
+    for gpu in ("h100", "h200"):
+        out = tmp_path / gpu
+        with pytest.raises(SystemExit) as e:
+            main(cfgs + ["--trace", str(trace), "--predict-only", "--gpu", gpu, "--out", str(out)])
+        assert e.value.code == 0
+        s = json.loads((out / "predicted.json").read_text())
+        preds[gpu] = pd.read_csv(out / "predicted.csv").set_index("config")["throughput_rps_pred"]
+        if gpu == "h200":
+            assert s["gpu"] == "h200" and s["tables_provenance"][0]["label"].startswith(
+                "transferred from h100 by datasheet")
+            assert "transferred from h100 by datasheet" in s["cost_model_source"]["gemm_qkv"]
+        else:
+            assert s["tables_provenance"] == []
+    assert (preds["h200"] > preds["h100"]).all()
+
+
+def test_validate_prices_with_the_probe_and_keeps_the_shipped_prediction(tmp_path):
+    """--probe FILE: the simulator side is priced with tables rescaled by the probe (GEMMs 1.5x slower here, so
+    the prediction drops), the unscaled prediction and the scales are kept."""
+    from tangram.sim.probe import gemm_shapes
+    from tangram.sim.tables import CostTables, tables_dir_for
+    from tangram.config import get_model
+
+    d = tables_dir_for("h100-80gb")
+    if not (d / "gemm.csv").exists():
+        pytest.skip("no H100 cost tables installed")
+    t, m = CostTables.load(d), get_model("llama-3.1-8b")
+    gemm = [dict(model=m.name, op=op, n=n, k=k, tokens=tk, median_ms=1.5e3 * float(t.gemm_interp(m, op, n, k)(tk)))
+            for op, (n, k) in gemm_shapes(m).items() for tk in (1, 128, 2048)]
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"kind": "tangram-probe", "version": 1, "device": {"name": "slow test GPU"},
+                                 "copy": None, "gemm": gemm, "decode": [], "prefill": []}))
+    trace, cfgs = _configs(tmp_path)
+    out = tmp_path / "p"
+    with pytest.raises(SystemExit) as e:
+        main(cfgs + ["--trace", str(trace), "--predict-only", "--probe", str(probe), "--out", str(out)])
+    assert e.value.code == 0
+    df = pd.read_csv(out / "predicted.csv")
+    assert (df["throughput_rps_pred"] < df["throughput_rps_pred_shipped"]).all()
+    s = json.loads((out / "predicted.json").read_text())
+    assert s["probe"]["device"]["name"] == "slow test GPU"
+    sc = s["tables_provenance"][-1]["scales"]["gemm"]
+    assert all(r == pytest.approx(1.5) for v in sc.values() for r in v["time_ratio"])

@@ -7,6 +7,13 @@ throughput, TTFT and TPOT percentiles with relative errors ((predicted - measure
 of predicted vs measured throughput across configs, and, per cost-model term, predicted vs measured seconds
 so a >10% miss names the operator that is off.
 
+``--gpu`` prices every config on another GPU preset than its file names (a GPU model without tables of its own is
+priced with tables transferred by datasheet, and the report says so). ``--probe`` first runs ``tangram-probe`` on
+this device (or reads ``--probe FILE``) and prices the simulator side with the tables rescaled to this machine; the
+probe, the scales applied and the prediction of the unscaled tables are kept in the outputs. ``--predict-only``
+writes the simulator side alone (``predicted.json``/``predicted.csv``), without a GPU: the prediction to commit
+before the machine it predicts is measured.
+
 ``--repeats N`` runs the engine N times per config, round-robin over the configs (so a drift of the machine
 during the call touches every config alike), and compares the prediction with the mean of the N measurements;
 the report gives each config's spread (min, max, coefficient of variation), since a run-to-run spread above the
@@ -55,6 +62,12 @@ def _parser():
     p.add_argument("--no-time-ops", action="store_true", help="skip per-operator CUDA-event timing")
     p.add_argument("--repeats", type=int, default=1,
                    help="engine runs per config, round-robin over the configs; the mean is compared (default 1)")
+    p.add_argument("--gpu", help="GPU preset to price every config on (default: each config's own)")
+    p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
+                   help="rescale the cost tables to this machine: run tangram-probe here first (no value) or read "
+                        "a probe JSON; the probe and the scales go into the outputs")
+    p.add_argument("--predict-only", action="store_true",
+                   help="only the simulator side: write predicted.json/.csv (no engine runs, no GPU needed)")
     p.add_argument("--out", default="reports/validation")
     return p
 
@@ -66,6 +79,8 @@ def _bench_args(cfg_path: str, a) -> argparse.Namespace:
             "--dynamic-keep", a.dynamic_keep]
     if a.kv_pool_gib is not None:
         argv += ["--kv-pool-gib", str(a.kv_pool_gib)]
+    if getattr(a, "gpu", None):
+        argv += ["--gpu", a.gpu]
     return bench_parser().parse_args(argv)
 
 
@@ -93,25 +108,57 @@ def run(a) -> dict:
     from tangram.engine.bench import device_dtype, resolve, run_mode_of
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
+    from tangram.sim.tables import resolve as resolve_tables
 
     if a.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {a.repeats}")
-    device, dtype = device_dtype(a.device, a.dtype)
-    model = info = None
-    jobs = []
+    predict_only = getattr(a, "predict_only", False)
+    probe_arg = getattr(a, "probe", None)
+    if predict_only and probe_arg == "run":
+        raise ConfigError("--predict-only takes a probe FILE, not a probe run (it uses no device)")
+    out = Path(a.out)
+    resolved = []
     for path in a.configs:
         r = resolve(_bench_args(path, a))
+        if resolved and r["spec"].model.name != resolved[0][1]["spec"].model.name:
+            raise ConfigError(f"{path}: model {r['spec'].model.name} differs from the first config's "
+                              f"{resolved[0][1]['spec'].model.name}; validate one model per run")
+        resolved.append((path, r))
+    device = dtype = None
+    if not predict_only:
+        device, dtype = device_dtype(a.device, a.dtype)
+    probe = None
+    if probe_arg == "run":
+        from tangram.sim.probe import run_probe, save_probe
+
+        probe = run_probe([resolved[0][1]["spec"].model], device=device.type,
+                          command="tangram-validate --probe (" + " ".join(getattr(a, "_argv", [])) + ")")
+        probe["_path"] = str(save_probe(probe, out / "probe.json"))
+        print(f"probe of {probe['device']['name']}: {probe['elapsed_s']:.1f} s, written to {probe['_path']}",
+              flush=True)
+    elif probe_arg is not None:
+        from tangram.sim.probe import load_probe
+
+        probe = load_probe(probe_arg)
+    model = info = None
+    dyn = None
+    jobs = []
+    for path, r in resolved:
         spec, trace = r["spec"], r["trace"]
         mode = run_mode_of(r)
-        if model is None:
+        if model is None and not predict_only:
             model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
             dyn = a.dynamic_keep if a.dynamic_keep != "auto" else \
                 ("profile" if info.get("source") == "random" else "topk")
-        elif model.cfg.name != spec.model.name:
-            raise ConfigError(f"{path}: model {spec.model.name} differs from the first config's {model.cfg.name}; "
-                              "validate one model per run")
-        pred, _ = simulate(trace, spec, mode)
-        jobs.append({"name": Path(path).stem, "spec": spec, "trace": trace, "mode": mode, "pred": pred, "meas": []})
+        job = {"name": Path(path).stem, "spec": spec, "trace": trace, "mode": mode, "meas": []}
+        if probe is not None:  # the shipped tables' prediction, then the one rescaled to this machine
+            job["pred_shipped"], _ = simulate(trace, spec, mode)
+            spec.tables = resolve_tables(spec.tables, spec.gpu, probe)
+        job["pred"], _ = simulate(trace, spec, mode)
+        jobs.append(job)
+    tables_info = _tables_info(jobs[0]["spec"], probe)
+    if predict_only:
+        return write_predictions(out, jobs, a, tables_info)
     from tangram.engine.bench import run_mode
 
     for rep in range(a.repeats):
@@ -132,6 +179,10 @@ def run(a) -> dict:
             row[f"{k}_pred"], row[f"{k}_meas"] = pred.get(k), (float(np.mean(vals)) if vals else None)
         for k in METRICS:
             row[f"{k}_relerr"] = rel_err(row[f"{k}_pred"], row[f"{k}_meas"])
+        if "pred_shipped" in j:  # what the tables as shipped predicted, before the probe rescaled them
+            row["throughput_rps_pred_shipped"] = j["pred_shipped"].get("throughput_rps")
+            row["throughput_rps_relerr_shipped"] = rel_err(row["throughput_rps_pred_shipped"],
+                                                           row["throughput_rps_meas"])
         row["triton_compiles_in_run"] = sum(int(m.get("triton_compiles_in_run", {}).get("count", 0)) for m in runs)
         thr = np.array([m["throughput_rps"] for m in runs], dtype=float)
         row["throughput_rps_meas_min"], row["throughput_rps_meas_max"] = float(thr.min()), float(thr.max())
@@ -149,14 +200,13 @@ def run(a) -> dict:
     tau = None
     if len(rows) >= 2:
         tau = float(kendalltau(df["throughput_rps_pred"], df["throughput_rps_meas"]).statistic)
-    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "validation.csv", index=False)
     tdf = pd.DataFrame([dict(config=c, **t) for c, ts in terms.items() for t in ts])
     tdf.to_csv(out / "terms.csv", index=False)
     summary = {"kendall_tau_throughput": tau, "rows": rows, "terms": terms, "trace": a.trace,
                "device": str(device), "weights": info.get("source") if info else None, "dynamic_keep": dyn,
-               "ops_timed": not a.no_time_ops,
+               "ops_timed": not a.no_time_ops, **tables_info,
                # every run's own metrics (the engine's and the simulator's), for diagnosis after the GPU is gone
                "runs": {j["name"]: {"predicted": _scalars(j["pred"]), "measured": [_scalars(m) for m in j["meas"]]}
                         for j in jobs}}
@@ -164,6 +214,50 @@ def run(a) -> dict:
     write_report(out, df, tdf, tau, a, summary)
     print(f"Kendall tau (throughput) = {tau}")
     print(f"wrote {out}/report.md, validation.csv, terms.csv, validation.json")
+    return summary
+
+
+def _tables_info(spec, probe) -> dict:
+    """What priced the simulator side: the tables' provenance (transfer, probe scales) and the probe itself."""
+    from tangram.sim.tables import resolve as resolve_tables
+
+    t = resolve_tables(spec.tables, spec.gpu)
+    info = {"gpu": spec.gpu.name, "tables": str(t.directory) if t.directory is not None else None,
+            "tables_provenance": t.provenance}
+    if probe is not None:
+        info["probe"] = {k: v for k, v in probe.items() if not k.startswith("_")}
+        info["probe_file"] = probe.get("_path")
+    return info
+
+
+def write_predictions(out: Path, jobs: list, a, tables_info: dict) -> dict:
+    """The simulator side alone, with what priced it: the prediction to commit before the measurement."""
+    import datetime as _dt
+
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for j in jobs:
+        spec, pred = j["spec"], j["pred"]
+        row = {"config": j["name"], "mode": j["mode"], "H_p": spec.engine.heads_per_group, "alpha": spec.engine.alpha,
+               "gpu": spec.gpu.name, **{f"{k}_pred": pred.get(k) for k in METRICS + WORK}}
+        if "pred_shipped" in j:
+            row["throughput_rps_pred_shipped"] = j["pred_shipped"].get("throughput_rps")
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "predicted.csv", index=False)
+    summary = {"command": "tangram-validate " + " ".join(getattr(a, "_argv", [])),
+               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "trace": a.trace,
+               "kv_pool_gib": a.kv_pool_gib, **tables_info, "rows": rows,
+               "cost_model_source": jobs[0]["pred"].get("cost_model_source"),
+               "runs": {j["name"]: _scalars(j["pred"]) for j in jobs}}
+    (out / "predicted.json").write_text(json.dumps(summary, indent=1, default=float, sort_keys=True) + "\n")
+    for r in rows:
+        print(f"{r['config']}: predicted {r['throughput_rps_pred']:.4g} req/s on {r['gpu']}", flush=True)
+    for p in tables_info["tables_provenance"]:
+        print(f"tables: {p['label']}")
+    print(f"wrote {out}/predicted.csv, predicted.json")
     return summary
 
 
@@ -186,9 +280,19 @@ def write_report(out: Path, df, tdf, tau, a, summary) -> None:
              f"- trace: {a.trace}; device: {summary['device']}; weights: {summary['weights']}; "
              f"dynamic keep: {summary['dynamic_keep']}",
              "- relative error = (predicted - measured) / measured", ""]
+    prov = summary.get("tables_provenance") or []
+    if prov:
+        lines[-1:-1] = ["- cost tables: " + "; then ".join(p["label"] for p in prov)]
+    if summary.get("probe"):
+        pr = summary["probe"]
+        lines[-1:-1] = [f"- machine probe: {pr['device'].get('name')}, {pr.get('elapsed_s', 0):.1f} s "
+                        f"({summary.get('probe_file')}); `throughput_rps_pred_shipped` is the prediction of the "
+                        "tables as shipped, before the probe rescaled them"]
     cols = ["config", "mode", "H_p", "alpha"]
     for k in METRICS:
         cols += [f"{k}_pred", f"{k}_meas", f"{k}_relerr"]
+    if "throughput_rps_pred_shipped" in df.columns:
+        cols += ["throughput_rps_pred_shipped", "throughput_rps_relerr_shipped"]
     if int(df["repeats"].max()) > 1:
         lines[-1:-1] = [f"- measured = mean of {int(df['repeats'].max())} engine runs per config (round-robin); "
                         "spread columns: min, max, coefficient of variation of the measured throughput"]

@@ -7,9 +7,16 @@ label of the source travels into every report (``cost_model_source``).
 Interpolation is in log-log space (times of GPU kernels are close to power
 laws in their size) with scipy, extrapolating by the nearest measured point's
 throughput so a shape outside the sweep never prices at zero.
+
+Tables describe the machine they were measured on. :func:`resolve` carries them to the GPU being priced: a GPU
+model without its own folder gets another family's tables transferred by datasheet, and a probe JSON of the
+machine at hand rescales them (``tangram.sim.transfer``); ``CostTables.provenance`` says what was applied and
+every report repeats it.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +27,11 @@ from tangram.errors import InputError
 
 TABLES_ROOT = Path(__file__).resolve().parent
 TABLE_FILES = ("decode_attention.csv", "prefill_attention.csv", "gemm.csv", "elementwise.csv")
+# the probe of the machine a folder's engine_overhead.json was fitted on (``tangram-fit-engine --probe``): when
+# present, a probe of another machine is compared with it instead of with the tables themselves
+REFERENCE_PROBE = "reference_probe.json"
+# families whose tables may be transferred to a GPU model without its own folder, in order of preference
+TRANSFER_SOURCES = ("h100",)
 
 
 def tables_dir_for(gpu_name: str) -> Path:
@@ -83,7 +95,12 @@ class LogInterp1D:
 
 @dataclass
 class CostTables:
-    """What was found for one GPU: parsed tables plus meta.json; empty when nothing was measured."""
+    """What was found for one GPU: parsed tables plus meta.json; empty when nothing was measured.
+
+    ``directory`` is the folder the tables were read from (its engine_overhead.json prices the engine around the
+    kernels); ``provenance`` lists what was applied to them since (a datasheet transfer, a probe rescale), so a
+    transferred set never passes for a measured one. Treat an instance as immutable: loads are cached and shared.
+    """
 
     directory: Path | None
     meta: dict = field(default_factory=dict)
@@ -91,6 +108,24 @@ class CostTables:
     prefill: object = None
     gemm: object = None
     elementwise: object = None
+    provenance: list = field(default_factory=list)  # dicts: {"kind": "transfer" | "probe", "label": ..., ...}
+    reference_probe: dict | None = None  # the probe these tables' engine overhead was fitted against, if recorded
+    reference_probe_source: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How these tables came to describe the GPU being priced ("" when measured on it as they are)."""
+        return "; then ".join(p["label"] for p in self.provenance)
+
+    @property
+    def fingerprint(self) -> str:
+        """Folder plus what was applied to it: a cache key that tells a transferred set from its source."""
+        h = hashlib.sha1(json.dumps(self.provenance, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return f"{self.directory}|{h}"
+
+    def derive(self, **changes) -> "CostTables":
+        """A copy with some frames/meta replaced (frames are shared, never modified in place)."""
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def load(cls, directory: str | Path | None) -> "CostTables":
@@ -99,6 +134,15 @@ class CostTables:
         d = Path(directory)
         if not d.is_dir():
             return cls(None)
+        key = (str(d.resolve()), tuple((f, (d / f).stat().st_mtime_ns) for f in
+                                       TABLE_FILES + ("meta.json", REFERENCE_PROBE) if (d / f).exists()))
+        hit = _LOADED.get(key)
+        if hit is None:
+            hit = _LOADED[key] = cls._load(d)
+        return hit
+
+    @classmethod
+    def _load(cls, d: Path) -> "CostTables":
         meta = {}
         mp = d / "meta.json"
         if mp.exists():
@@ -106,7 +150,14 @@ class CostTables:
                 meta = json.loads(mp.read_text())
             except json.JSONDecodeError as e:
                 raise InputError(str(mp), e.lineno, None, f"invalid JSON: {e.msg}") from None
-        t = cls(d, meta)
+        # a folder written by tangram.sim.transfer.write_tables keeps what was applied to its tables
+        prov = meta.get("provenance")
+        t = cls(d, meta, provenance=list(prov) if isinstance(prov, list) else [])
+        rp = d / REFERENCE_PROBE
+        if rp.exists():
+            from tangram.sim.probe import load_probe
+
+            t.reference_probe, t.reference_probe_source = load_probe(rp), str(rp)
         if (d / "decode_attention.csv").exists():
             t.decode = _read_csv(d / "decode_attention.csv", ("kernel", "bytes", "median_ms"))
         if (d / "prefill_attention.csv").exists():
@@ -118,6 +169,16 @@ class CostTables:
         return t
 
     # ------------------------------------------------------------------ meta
+    def gpu(self):
+        """The GPU preset these tables describe: the transfer's target, else the one meta.json's device name
+        names (None when neither says)."""
+        from tangram.config import get_gpu, gpu_for_device_name
+
+        for p in reversed(self.provenance):
+            if p.get("kind") == "transfer":
+                return get_gpu(p["to"])
+        return gpu_for_device_name(self.meta.get("gpu_name"))
+
     def n_cta(self, num_sms: int) -> tuple[int, str]:
         """Decode CTAs resident at once: meta.json's occupancy when measured, else 2 per SM."""
         m = self.meta
@@ -208,6 +269,54 @@ class CostTables:
         if rows is None or len(rows) < 1:
             return None
         return PrefillInterp(rows, model.num_kv_heads)
+
+
+_LOADED: dict = {}  # (folder, file mtimes) -> CostTables
+_RESOLVED: dict = {}  # (tables fingerprint, GPU, probe digest) -> CostTables
+
+
+def resolve(tables, gpu, probe: dict | str | Path | None = None) -> CostTables:
+    """The cost tables that price ``gpu``: ``tables`` is "auto" (the GPU family's folder), a folder, None (none:
+    roofline only) or a CostTables. Tables measured on another GPU model (no folder for this family, or a folder
+    whose meta.json names another device) are transferred by datasheet (``tangram.sim.transfer.transfer``);
+    ``probe`` (a probe dict or JSON file of the machine at hand) then rescales them
+    (``tangram.sim.transfer.rescale``). Results are cached; callers must not modify them."""
+    if isinstance(tables, CostTables):
+        t = tables
+    elif tables is None:
+        t = CostTables(None)
+    elif isinstance(tables, str) and tables == "auto":
+        d = tables_dir_for(gpu.name)
+        if not d.is_dir():
+            src = next((f for f in TRANSFER_SOURCES if (TABLES_ROOT / f).is_dir() and f != gpu.family), None)
+            d = TABLES_ROOT / src if src is not None else None
+        t = CostTables.load(d)
+    else:
+        t = CostTables.load(tables)
+    probe_d = None
+    if probe is not None:
+        from tangram.sim.probe import load_probe
+
+        probe_d = probe if isinstance(probe, dict) else load_probe(probe)
+    if t.directory is None and probe_d is None:
+        return t
+    pkey = None if probe_d is None else hashlib.sha1(json.dumps(probe_d, sort_keys=True).encode()).hexdigest()
+    key = (t.fingerprint, gpu.name, pkey)
+    hit = _RESOLVED.get(key)
+    if hit is not None:
+        return hit
+    src = t.gpu()
+    out = t
+    if t.directory is not None and src is not None and src.family != gpu.family:
+        from tangram.sim.transfer import transfer
+
+        out = transfer(out, src, gpu)
+    if probe_d is not None:
+        from tangram.sim.transfer import rescale
+
+        out = rescale(out, probe_d, source=probe if not isinstance(probe, dict) else probe_d.get("_path"))
+    _RESOLVED[key] = out
+    return out
 
 
 class PrefillInterp:

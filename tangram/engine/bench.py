@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-max-bs", type=int,
                    help="largest decode batch replayed from a captured CUDA graph (default 64; 0 = every step eager)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
+    p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
+                   help="record this machine's probe (tangram-probe, about 20 s; or a probe JSON) and the scales it "
+                        "gives the shipped cost tables, in metrics.json and probe.json")
     p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-plots", action="store_true")
     return p
@@ -323,6 +326,7 @@ def run(args) -> dict:
         dyn = "profile" if info.get("source") == "random" else "topk"
     if dyn not in ("topk", "profile"):
         raise ConfigError(f"--dynamic-keep must be auto, topk or profile, got {args.dynamic_keep!r}")
+    probe_rec = record_probe(args.probe, spec, device, r["out"]) if getattr(args, "probe", None) else None
     total = len(trace.turns) * len(modes)
     bar = tqdm(total=total, desc="tangram-bench", unit="req", file=sys.stderr, leave=False, disable=None)
     metrics, frames, leaks = {}, [], {}
@@ -340,6 +344,8 @@ def run(args) -> dict:
               "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
               "seed": seed, "profile": r["profile_label"], "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
               "dynamic_keep": dyn}
+    if probe_rec is not None:
+        common["probe"] = probe_rec
     for m in metrics.values():
         m["run"] = common
     out = r["out"]
@@ -355,6 +361,27 @@ def run(args) -> dict:
     return metrics
 
 
+def record_probe(arg: str, spec, device, out: Path) -> dict:
+    """Run (``arg == "run"``) or read the machine probe; what it measured and the scales it gives the tables that
+    would price this run (``tangram.sim.transfer.rescale``). The probe JSON is written to ``out/probe.json``."""
+    from tangram.sim.probe import load_probe, run_probe, save_probe
+    from tangram.sim.tables import resolve as resolve_tables
+
+    if arg == "run":
+        probe = run_probe([spec.model], device=device.type, command="tangram-bench --probe")
+    else:
+        probe = load_probe(arg)
+    path = save_probe(probe, out / "probe.json")
+    t = resolve_tables(spec.tables, spec.gpu, probe)
+    last = t.provenance[-1] if t.provenance else {}
+    rec = {"file": str(path), "device": probe["device"].get("name"), "elapsed_s": probe.get("elapsed_s"),
+           "copy_gbps": (probe.get("copy") or {}).get("gbps"), "skipped": probe.get("skipped", []),
+           "tables": str(t.directory) if t.directory is not None else None,
+           "scales": last.get("scales"), "label": last.get("label")}
+    print(f"probe: {rec['label']}", flush=True)
+    return rec
+
+
 def write_report(out: Path, metrics: dict, common: dict, *, argv=None, plots: bool = True) -> Path:
     from tangram.metrics import markdown_table, plot_throughput
 
@@ -363,6 +390,9 @@ def write_report(out: Path, metrics: dict, common: dict, *, argv=None, plots: bo
         lines += ["Command: `tangram-bench " + " ".join(argv) + "`", ""]
     for k in ("trace", "model", "weights", "device", "dtype", "profile", "clock", "dynamic_keep"):
         lines.append(f"- {k}: {common.get(k)}")
+    if common.get("probe"):
+        pr = common["probe"]
+        lines.append(f"- machine probe ({pr['file']}, {pr['elapsed_s']:.1f} s): {pr['label']}")
     lines += ["", "## Results", "", markdown_table(metrics, TABLE_COLS), ""]
     base = metrics.get("full", {}).get("throughput_rps")
     if base:
