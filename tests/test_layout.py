@@ -4,7 +4,8 @@
   torch/triton and nothing from the engine, the simulator, the kernels, the profiles or the tuner; only the
   trace-replay harness (``tangram.harness``) may use SimPy, as its event loop.
 * The engine never imports the simulator; the simulator never imports the engine except its fitting code
-  (``tangram.sim.fit_engine``). Any other module that imports both is a command-line entry point.
+  (``tangram.sim.fit_engine``). Any other module that imports both is a command-line entry point (``tangram-bench``
+  records the machine probe and the scales it gives the simulator's tables).
 * The kernels see only the control plane; the traces package only the control plane too.
 """
 from __future__ import annotations
@@ -78,7 +79,7 @@ def violations(modules: dict[str, Path], root: Path = ROOT) -> list[str]:
                     bad.append(f"{where(line)}: the control plane imports {mod}")
                 if _under(mod, "simpy") and not _under(name, "tangram.harness"):
                     bad.append(f"{where(line)}: only tangram.harness may use SimPy, not {name}")
-            if _under(name, "tangram.engine") and _under(mod, "tangram.sim"):
+            if _under(name, "tangram.engine") and _under(mod, "tangram.sim") and name not in ENTRY_POINTS:
                 bad.append(f"{where(line)}: the engine imports the simulator ({mod})")
             if _under(name, "tangram.sim") and _under(mod, "tangram.engine") and name != "tangram.sim.fit_engine":
                 bad.append(f"{where(line)}: the simulator imports the engine ({mod})")
@@ -111,7 +112,7 @@ def test_import_rules_hold():
     ("tangram.scheduler", "import torch", "control plane imports torch"),
     ("tangram.harness.summary", "from tangram.sim.costmodel import CostModel", "control plane imports tangram.sim"),
     ("tangram.paging", "import simpy", "only tangram.harness may use SimPy"),
-    ("tangram.engine.bench", "from tangram.sim.run import simulate", "the engine imports the simulator"),
+    ("tangram.engine.executor", "from tangram.sim.run import simulate", "the engine imports the simulator"),
     ("tangram.sim.run", "from tangram.engine.executor import Executor", "the simulator imports the engine"),
     ("tangram.tuning.objective", "from tangram.engine.bench import run_mode",
      "imports both the engine and the simulator"),
