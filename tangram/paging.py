@@ -193,22 +193,22 @@ class PagePool:
         return int(dead.size)
 
     def pin(self, ids: np.ndarray) -> None:
-        """The prefix cache retains these (distinct, allocated) pages beyond their rows' lifetime."""
-        ids = np.asarray(ids, dtype=np.int64).ravel()
+        """The prefix cache retains these (allocated) pages beyond their rows' lifetime; a repeated id pins twice."""
+        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
         if ids.size == 0:
             return
         if not self._in_use[ids].all():
             raise AssertionError("pin of a page that is not allocated")
         p = self.pins[ids]
         self.n_pinned += int(np.count_nonzero(p == 0))
-        self.pins[ids] = p + 1
+        self.pins[ids] = p + n
 
     def unpin(self, ids: np.ndarray) -> int:
         """A cache entry lets go of these pages; those nobody holds any more are freed. Returns the number freed."""
-        ids = np.asarray(ids, dtype=np.int64).ravel()
+        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
         if ids.size == 0:
             return 0
-        p = self.pins[ids] - 1
+        p = self.pins[ids] - n
         if (p < 0).any():
             raise AssertionError("unpin of a page that is not pinned")
         self.pins[ids] = p

@@ -27,7 +27,9 @@ What a unit holds depends on the mode (``page_units``):
   each chunk end is a boundary. Per table a unit shares, by reference, the pages every head of the table has
   filled (``min`` over the table's heads of the kept tokens, in whole pages; no one writes into them again), and
   lists the partial pages after them as copy sources: a hit copies them (copy-on-write, ``StepPlan.copy_src`` ->
-  ``copy_dst``) and the hitting turn appends its own tokens after the shared ones. A turn that continues a
+  ``copy_dst``) and the hitting turn appends its own tokens after the shared ones. Copy sources are kept at
+  segment ends and the boundary before each (where hits end), and dropped under memory pressure before idle
+  sessions are evicted (a hit then passes through such a unit but cannot end there). A turn that continues a
   resident session prefills from the session's end with its last output kept uncompressed, so its chunks are
   never the fresh ones: it neither registers nor hits (even when the history is a multiple of ``C``).
 
@@ -83,6 +85,9 @@ class ChainPlan:
     bounds: np.ndarray  # int64 [u] unit boundaries, increasing
     keys: list  # [u] cache keys (node, boundary)
     draw: np.ndarray  # int64 [u] content id of the segment holding each boundary (dynamic mode's draw key)
+    # bool [u] the unit keeps its copy sources (a hit may end there): segment ends, where hits usually end, and the
+    # boundary before each (where a prompt that is exactly the chain stops: the last token is always computed)
+    keep_tail: np.ndarray
 
 
 @dataclass(eq=False)
@@ -96,8 +101,9 @@ class Unit:
     stable: np.ndarray  # int64 [T] full pages per table at ``end`` (shared by reference), ancestors included
     cnt: np.ndarray  # int64 [T] of which this unit adds (stable - parent's stable)
     ids: np.ndarray  # int64 those pages, table-major
-    tail_ids: np.ndarray  # int64 partial pages after the stable ones, table-major (copied on a hit)
+    tail_ids: np.ndarray  # int64 partial pages after the stable ones, table-major (copied on a hit), pinned
     tail_cnt: np.ndarray  # int64 [T]
+    endable: bool = True  # a hit may end here: no partial page, or its copy sources are kept
     holders: int = 1  # rows (running or parked) holding it; the registering row first
     evicted: bool = False
 
@@ -112,8 +118,10 @@ class PrefixCache:
         self._nodes: dict[tuple, int] = {}
         self.units: dict[tuple, Unit] = {}
         self.idle: OrderedDict[tuple, Unit] = OrderedDict()  # holders == 0, least recently used first
+        self.tailed: OrderedDict[tuple, Unit] = OrderedDict()  # units whose copy sources are pinned, oldest first
         self.registered = 0
         self.evictions = 0
+        self.tails_dropped = 0
 
     # ------------------------------------------------------------------ chains
     def chain(self, prefix) -> ChainPlan:
@@ -140,11 +148,14 @@ class PrefixCache:
         b = np.asarray(bounds, dtype=np.int64)
         seg = np.searchsorted(e, b, side="left")  # the segment holding each boundary's last token
         keys = [(nodes[j], int(x)) for j, x in zip(seg.tolist(), bounds)]
-        return ChainPlan(e, b, keys, np.asarray([hashes[j] for j in seg.tolist()], dtype=np.int64))
+        ends_here = np.isin(b, e)
+        keep = ends_here | np.append(ends_here[1:], False)
+        return ChainPlan(e, b, keys, np.asarray([hashes[j] for j in seg.tolist()], dtype=np.int64), keep)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, chain: ChainPlan, cap: int) -> list[Unit]:
-        """The longest run of cached units from the chain's first boundary, ending at most at ``cap`` tokens."""
+        """The longest run of cached units from the chain's first boundary, ending at most at ``cap`` tokens, at a
+        unit a hit may end at (its partial pages can be copied)."""
         out: list[Unit] = []
         parent = None
         for key, b in zip(chain.keys, chain.bounds.tolist()):
@@ -155,6 +166,8 @@ class PrefixCache:
                 break
             out.append(u)
             parent = u
+        while out and not out[-1].endable:
+            out.pop()
         return out
 
     def adopt(self, units: list[Unit]) -> tuple[np.ndarray, np.ndarray]:
@@ -180,9 +193,11 @@ class PrefixCache:
                 self.idle[u.key] = u
 
     # ------------------------------------------------------------------ register
-    def register(self, key: tuple, end: int, parent: Unit | None, lens: np.ndarray, bt, row: int) -> Unit | None:
+    def register(self, key: tuple, end: int, parent: Unit | None, lens: np.ndarray, bt, row: int,
+                 keep_tail: bool = True) -> Unit | None:
         """Cache the row's pages up to ``end`` (the row holds ``parent``'s lineage). Returns the unit, held once by
-        the row, or None when the key is already cached (a duplicate computation: the row's pages stay private)."""
+        the row, or None when the key is already cached (a duplicate computation: the row's pages stay private).
+        ``keep_tail``: pin its partial pages as copy sources (else a hit may pass through it but not end at it)."""
         old = self.units.get(key)
         if old is not None:
             if old.parent is parent or old.holders:
@@ -194,10 +209,16 @@ class PrefixCache:
         prev = parent.stable if parent is not None else np.zeros_like(stable)
         ids = bt.row_ids(row, prev, stable)
         tail = bt.row_ids(row, stable, n)
+        endable = keep_tail or tail.size == 0
+        if not endable:
+            tail = tail[:0]
         self.pool.pin(ids)
         self.pool.pin(tail)
-        u = Unit(key, int(end), parent, np.array(lens, dtype=np.int64), stable, stable - prev, ids, tail, n - stable)
+        u = Unit(key, int(end), parent, np.array(lens, dtype=np.int64), stable, stable - prev, ids, tail,
+                 n - stable if endable else np.zeros_like(n), endable)
         self.units[key] = u
+        if tail.size:
+            self.tailed[key] = u
         self.registered += 1
         return u
 
@@ -208,16 +229,35 @@ class PrefixCache:
         self.idle.pop(u.key, None)
         if self.units.get(u.key) is u:
             del self.units[u.key]
+        if self.tailed.get(u.key) is u:
+            del self.tailed[u.key]
         u.evicted = True
         self.evictions += 1
         return self.pool.unpin(u.ids) + self.pool.unpin(u.tail_ids)
 
+    def _drop_tail(self, u: Unit) -> int:
+        """Forget a unit's copy sources: hits may still pass through it, not end at it."""
+        if self.tailed.get(u.key) is u:
+            del self.tailed[u.key]
+        freed = self.pool.unpin(u.tail_ids)
+        u.tail_ids, u.tail_cnt, u.endable = u.tail_ids[:0], np.zeros_like(u.tail_cnt), False
+        self.tails_dropped += 1
+        return freed
+
     def evict_one(self) -> bool:
-        """Evict the least recently used idle unit; False when none is idle."""
-        if not self.idle:
-            return False
-        self._evict(next(iter(self.idle.values())))
-        return True
+        """Free memory: the least recently used idle unit; else the copy sources of a unit a row holds, oldest
+        first, when only the cache keeps them (a lone turn is never starved by the cache's copies). False when
+        neither frees anything."""
+        if self.idle:
+            self._evict(next(iter(self.idle.values())))
+            return True
+        ref, pins = self.pool.ref, self.pool.pins
+        for u in self.tailed.values():
+            t = u.tail_ids
+            if ((ref[t] == 0) & (pins[t] == 1)).any():
+                self._drop_tail(u)
+                return True
+        return False
 
     def clear(self) -> int:
         """Evict every idle unit (end of a run); returns pages freed."""

@@ -293,7 +293,9 @@ class Scheduler:
         if req.units:
             self.pc.release(req.units)
             req.units = []
-        req.pending_copy = None
+        if req.pending_copy is not None:
+            self.stats.pages_freed += self.pool.unpin(req.pending_copy[0])
+            req.pending_copy = None
 
     def _make_room(self, pages: int, *, keep_sid: str | None = None, preempt_after: int | None = None) -> bool:
         """Free pages: cached prefix units nobody holds, then idle sessions, LRU first, then (if allowed) running
@@ -425,12 +427,13 @@ class Scheduler:
             else:  # pages come chunk by chunk; admission only checks the first chunk fits
                 final = base + self._keep(np.array([self._chunk_len(prompt - hit, hit, cuts)]))[0]
             need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held - shared)
-            # A hit keeps its units' pages, copy sources included, pinned: if they and the rest of the turn can
-            # never fit together, reuse a shorter prefix (found by the hypothesis test: a turn waited forever)
-            if not units or need + np.unique(np.concatenate([x for u in units for x in (u.ids, u.tail_ids)])).size \
-                    <= self.pool.num_pages:
+            # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
+            # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
+            if not units or need + held + shared + units[-1].tail_ids.size <= self.pool.num_pages:
                 break
             units.pop()
+            while units and not units[-1].endable:
+                units.pop()
         if resident and need + held > self.pool.num_pages:
             # The resident history plus this turn can never fit, though a recompute does (add_request checked):
             # the resident cache keeps the last turn's output uncompressed, a recompute compresses it. Waiting
@@ -469,6 +472,7 @@ class Scheduler:
             self._head_tokens += int(last.lens.sum())
             if last.tail_ids.size:  # copy-on-write: its own copy of the partial pages after the shared ones
                 self.bt.ensure(np.array([row]), tl0[None])
+                self.pool.pin(last.tail_ids)  # the copy's sources stay until the step that copies them has run
                 req.pending_copy = (last.tail_ids, self.bt.row_ids(row, last.stable, last.stable + last.tail_cnt))
             req.units = list(units)
         else:
@@ -514,7 +518,8 @@ class Scheduler:
             else:  # a boundary passed without a chunk ending there: not this chain's fresh layout
                 req.reg = -1
                 return
-            u = self.pc.register(ch.keys[req.reg], b, req.units[-1] if req.units else None, lens, self.bt, row)
+            u = self.pc.register(ch.keys[req.reg], b, req.units[-1] if req.units else None, lens, self.bt, row,
+                                 keep_tail=bool(ch.keep_tail[req.reg]))
             if u is None:  # already cached from another row's pages: ours stay private from here on
                 req.reg = -1
                 return
@@ -591,6 +596,8 @@ class Scheduler:
             reclaimed = self.bt.truncate(plan.prefill_rows, self.layout.table_lens(new))
             self.stats.pages_reclaimed += reclaimed
             self.stats.pages_freed += reclaimed
+        if plan.copy_src.size:  # the step copied them
+            self.stats.pages_freed += self.pool.unpin(plan.copy_src)
         if self.pc is not None and plan.num_prefill:  # the chunks ran: cache the chain's pages they completed
             for rid in plan.prefill_ids.tolist():
                 req = self.requests[rid]
