@@ -445,11 +445,13 @@ class Scheduler:
         watermark = int(0.01 * self.pool.num_pages) if self.running else 0
         if not self.engine.reserve_exact:
             watermark += self._inflight_chunk_pages()
-        if units:
-            self.pc.hold(units)  # before making room: the units it hits are not evictable now
+        if units:  # before making room: the units it hits are not evicted, nor the copy sources it needs dropped
+            self.pc.hold(units)
+            self.pool.pin(units[-1].tail_ids)
         if not self._make_room(need + watermark, keep_sid=req.sid):
             if units:
                 self.pc.release(units)
+                self.pool.unpin(units[-1].tail_ids)
             return False
         self.waiting.popleft()
         if resident:
@@ -470,9 +472,8 @@ class Scheduler:
             self.head_lens[row] = last.lens
             self.ctx[row] = hit
             self._head_tokens += int(last.lens.sum())
-            if last.tail_ids.size:  # copy-on-write: its own copy of the partial pages after the shared ones
-                self.bt.ensure(np.array([row]), tl0[None])
-                self.pool.pin(last.tail_ids)  # the copy's sources stay until the step that copies them has run
+            if last.tail_ids.size:  # copy-on-write: its own copy of the partial pages after the shared ones (their
+                self.bt.ensure(np.array([row]), tl0[None])  # pin, taken above, lasts until the copy step has run)
                 req.pending_copy = (last.tail_ids, self.bt.row_ids(row, last.stable, last.stable + last.tail_cnt))
             req.units = list(units)
         else:

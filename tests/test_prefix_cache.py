@@ -255,6 +255,53 @@ def test_copy_on_write_of_partial_pages(mode, copies):
     check_invariants(s, reserve_check=True)
 
 
+def _br_two_heads(pages):
+    """br (monolithic), heads keeping 1/4 and 1/2, C = 16, P = 4; a (48 tokens, chain ("sys", 32)) served and
+    ended. Its units: [0, 16) heads hold 4 / 8 tokens: page p0 shared, p1 a copy source; [16, 32) heads hold
+    8 / 16: p1 shared, p2 p3 copy sources. 4 pages stay cached."""
+    s = Scheduler(tiny_model(1, 2), EngineConfig(mode="br", page_size=4, chunk_size=16, max_batched_tokens=64),
+                  fixed_profile([[0.25, 0.5]]), num_pages=pages)
+    serve(s, 0, "a", 48, 2, (("sys", 32),))  # heads 12 / 24 tokens + one decoded = 25: 7 pages
+    p = s.sessions["a"].parked.ids.copy()
+    s.end_session("a")
+    assert s.pool.n_used == 4 and sorted(u.end for u in s.pc.units.values()) == [16, 32]
+    return s, p
+
+
+def test_a_hit_that_cannot_fit_with_its_copies_reuses_a_shorter_prefix():
+    s, p = _br_two_heads(7)
+    # b (44 tokens) hitting 32: its 6 pages (heads 11 / 22 tokens) hold 2 shared pages, and the 2 copy sources must
+    # stay while it is admitted: 4 + 2 + 2 = 8 > 7 pages, never. Hitting 16 instead: 5 + 1 + 1 = 7 pages fit, once
+    # the unit [16, 32), which nobody holds, is evicted (p2 p3 freed; p1 stays, a copy source of [0, 16)).
+    s.add_request(1, "b", 44, 2, prefix=(("sys", 32),))
+    plan = s.schedule()
+    assert plan.prefill_start.tolist() == [16] and s.requests[1].cached_tokens == 16
+    assert plan.copy_src.tolist() == [p[1]] and s.pc.evictions == 1
+    assert s.bt.pages[int(plan.prefill_rows[0]), 0, 0] == p[0]
+    s.update(plan, StepResult(plan.step, 0.0))
+    check_invariants(s)
+    while s.has_work():
+        step(s)
+    check_invariants(s, reserve_check=True)
+
+
+def test_copy_sources_only_the_cache_keeps_go_before_idle_sessions():
+    s, p = _br_two_heads(12)
+    serve(s, 1, "b", 40, 2, (("sys", 32),))  # hits 32: 2 shared pages, 2 copied, 2 more (heads 11 / 21 = 6 pages)
+    assert s.requests[1].cached_tokens == 32 and s.pool.n_used == 4 + 4
+    # c (36 tokens: heads 9 / 18 = 5 pages) finds 4 free: nothing is idle, so the copy sources of [16, 32) that only
+    # the cache keeps
+    # (p2 p3; b holds the unit, not them) are dropped; b stays resident
+    serve(s, 2, "c", 36, 1)
+    assert s.pc.tails_dropped == 1 and s.stats.session_evictions == 0 and s.sessions["b"].parked is not None
+    check_invariants(s)
+    s.end_session("c")
+    # a later hit passes through [16, 32) but cannot end there any more: it reuses [0, 16) and copies p1
+    s.add_request(3, "d", 40, 2, prefix=(("sys", 32),))
+    plan = s.schedule()
+    assert plan.prefill_start.tolist() == [16] and plan.copy_src.tolist() == [p[1]]
+
+
 def test_resident_turns_share_by_mode():
     # a: turn 0 (42 tokens) declares ("sys", 32); turn 1 (resident) declares ("sys", 32), ("hist", 20): the
     # chain covers a's history (42 prompt + 3 output = 45 tokens, 44 of them in the KV cache: the last output is
