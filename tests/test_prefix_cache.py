@@ -549,3 +549,34 @@ def test_simulator_reports_prefix_metrics():
             assert ttft["a:0"] == pytest.approx(ttft0["a:0"])
         else:
             assert ttft["a:0"] > ttft0["a:0"]
+
+
+def test_migration_between_replicas_recomputes_with_the_same_chain():
+    """round-robin moves every later turn to the other replica: it arrives there as a recompute of the history with
+    the same chain (context positions), hits that replica's cache, and both replicas end with no page held."""
+    from tangram.config import get_gpu
+    from tangram.sim.run import SimSpec, default_profile, simulate
+    from tangram.traces.format import Trace, Turn
+
+    model = get_model("llama-3.1-8b")
+    chain = (("sys", 512), ("doc", 1500))
+    turns = []
+    for i in range(6):
+        sid = f"s{i}"
+        turns += [Turn(f"{sid}:0", sid, 0, 10.0 * i, 0.0, 2100 + 10 * i, 16, prefix=chain),
+                  Turn(f"{sid}:1", sid, 1, None, 1.0, 50, 16, prefix=chain)]
+    for mode in ("full", "br+rp"):
+        eng = EngineConfig(mode=mode)
+        spec = SimSpec(model, get_gpu("h100"), eng, default_profile(model, eng.rho, eng.alpha), replicas=2,
+                       router="round-robin", tables=None)
+        summ, res = simulate(Trace(turns), spec, record_kv=False)
+        assert summ["completed"] == 12
+        rec = {r.request_id: r for r in res.records}
+        for i in range(6):
+            r0, r1 = rec[f"s{i}:0"], rec[f"s{i}:1"]
+            assert r0.replica != r1.replica and r1.prefill_tokens == 2100 + 10 * i + 16 + 50  # migrated: recompute
+        # the first turn on each replica computes the chain; every other turn, migrated ones included, reuses it
+        assert sum(r.cached_tokens > 0 for r in res.records) == 10
+        for sc in res.schedulers:
+            assert not sc.pool.ref.any() and not sc.sessions
+            check_invariants(sc)
