@@ -123,6 +123,9 @@ def _print_table(metrics: dict, capacity: bool) -> None:
     import pandas as pd
 
     cols = TABLE_COLS + (["max_rate_rps", "replicas_needed"] if capacity else [])
+    if any("prefix_hit_rate_tokens" in v for v in metrics.values()):  # a trace with shared prefixes
+        cols += ["prefix_hit_rate_requests", "prefix_hit_rate_tokens", "prefix_tokens_saved",
+                 "prefix_shared_pages_peak"]
     df = pd.DataFrame({m: {c: v.get(c) for c in cols} for m, v in metrics.items()}).T
     with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
         print(df.to_string())

@@ -247,6 +247,8 @@ class CostModel:
             if plan_s:
                 br["runtime_plan"] = plan_s
         realized = None
+        if plan.copy_src.size:  # shared prefixes: copy-on-write of partial pages before the forward
+            br["page_copy"] = self._page_copy(int(plan.copy_src.size))
         if kp:
             br["prefill_attention"], comp = self._prefill_attention(plan)
             if self.compress:
@@ -425,6 +427,18 @@ class CostModel:
         reclaimed = np.maximum(0, plan.prefill_pages.sum(axis=1) - after)
         cost = float(reclaimed.sum()) * self.host.reclaim_page_s + kp * self.host.compress_row_s
         return realized, cost
+
+    def _page_copy(self, pages: int) -> float:
+        """One index copy of whole pages: every byte read and written once, at the measured device-copy bandwidth
+        (meta.json ``copy_gbps``, bytes read + written per second), else the roofline's."""
+        if "page_copy" not in self.sources:  # listed once used, so runs without shared prefixes are unchanged
+            bw = self.tables.copy_bandwidth()
+            self._copy_bw = bw if bw is not None else self.gpu.mem_bandwidth * self.params.roofline_bw_eff
+            self.sources["page_copy"] = ("2 x page bytes / measured copy bandwidth (meta.json) + launch"
+                                         if bw is not None else
+                                         f"2 x page bytes / ({self.params.roofline_bw_eff:g} x datasheet HBM "
+                                         f"bandwidth) + launch")
+        return 2.0 * pages * self.layout.page_bytes / self._copy_bw + self.params.kernel_launch_s
 
     # ------------------------------------------------------------------ host
     def _host(self, c: dict) -> float:

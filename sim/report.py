@@ -25,6 +25,12 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
     lines += ["", "## Results", ""]
     cols = REPORT_COLS + (["max_rate_rps", "replicas_needed"] if curves else [])
     lines.append(markdown_table(metrics, cols))
+    if any("prefix_hit_rate_tokens" in m for m in metrics.values()):
+        lines += ["Shared prefixes (docs/simulator.md, \"Shared prefixes\"):", "",
+                  markdown_table(metrics, ["prefix_lookups", "prefix_hits", "prefix_hit_rate_requests",
+                                           "prefix_hit_rate_tokens", "prefix_tokens_saved",
+                                           "prefix_shared_pages_peak", "prefix_cached_pages_peak",
+                                           "prefix_page_copies"])]
     lines += ["Throughput is completed requests over the span from the first arrival to the last finish.", ""]
     # where the time went
     ops = sorted({k for m in metrics.values() for k in m.get("share_of_busy", {})})

@@ -79,7 +79,8 @@ class BudgetProfile:
         return _rescale_layer_mean(r, self.rho)
 
     def chunk_retention(self, seed: int, rids, starts) -> np.ndarray:
-        """Realised retention [n, L, H] of prefill chunks, one draw per (request id, chunk start).
+        """Realised retention [n, L, H] of prefill chunks, one draw per (key, chunk start); the key is a request id,
+        or a shared-prefix chain's content id (``tangram.prefix_cache.chain_hashes``).
 
         Common random numbers: the simulator and the engine draw a chunk's retention from the same stream, so a
         ``dynamic`` run's reclaim, and with it its preemptions, match between them (separate streams gave the
@@ -245,7 +246,9 @@ def synthetic_profile(num_layers: int, num_kv_heads: int, rho: float, *, alpha: 
 def drawn_keep(profile: BudgetProfile, layout, seed: int, plan) -> np.ndarray:
     """Tokens each slot keeps of the step's prefill chunks under a global top-k (``dynamic``), drawn from the
     profile: [kp, L, H] in slot order, at most the plan's upper bound. Shared by the engine (``dynamic_keep=
-    'profile'``) and the cost model, so both realise the same counts for the same chunk."""
-    r = layout.to_slots(profile.chunk_retention(seed, plan.prefill_ids, plan.prefill_start))
+    'profile'``) and the cost model, so both realise the same counts for the same chunk. The draw is keyed by
+    ``plan.draw_keys`` (the request, or the shared-prefix chain of a chunk inside one, so that identical prefixes
+    realise identical keeps and can share their pages) and the chunk's start."""
+    r = layout.to_slots(profile.chunk_retention(seed, plan.draw_keys, plan.prefill_start))
     c = np.asarray(plan.prefill_tokens, dtype=np.float64)[:, None, None]
     return np.minimum(plan.prefill_keep, np.ceil(r * c - 1e-9).astype(np.int64))

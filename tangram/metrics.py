@@ -33,6 +33,7 @@ class RequestRecord:
     reason: str = ""
     replica: int = -1
     prefill_tokens: int = 0  # tokens actually prefilled (new tokens, plus history when recomputed after migration)
+    cached_tokens: int = 0  # of those, served from the shared-prefix cache instead (summed over attempts)
     arrival_s: float | None = None  # when the turn became ready (arrival or previous finish + think time)
     admitted_s: float | None = None
     first_token_s: float | None = None

@@ -87,6 +87,21 @@ class KVLayout:
             return out.reshape(lead + (self.n_tables,))
         return head_lens.reshape(lead + (-1,)).max(axis=-1, keepdims=True)
 
+    def table_min_lens(self, head_lens: np.ndarray) -> np.ndarray:
+        """Tokens every head of each table holds [..., T]: the shortest head. Pages below ``min // P`` are full for
+        every head, so nothing is ever written into them again (what the prefix cache may share)."""
+        head_lens = np.asarray(head_lens)
+        lead = head_lens.shape[:-2]
+        if self.ragged:
+            g = head_lens.reshape(lead + (self.n_tables, self.heads_per_group))
+            return g.min(axis=-1)
+        return head_lens.reshape(lead + (-1,)).min(axis=-1, keepdims=True)
+
+    @property
+    def page_head_tokens(self) -> int:
+        """Head-tokens one page holds (heads it spans x P)."""
+        return self.page_bytes // self.head_token_bytes
+
     def pages_for(self, table_lens: np.ndarray) -> np.ndarray:
         t = np.asarray(table_lens, dtype=np.int64)
         P = self.page_size
@@ -96,7 +111,13 @@ class KVLayout:
 
 
 class PagePool:
-    """Free-list of equal-size physical pages with double-free detection."""
+    """Free-list of equal-size physical pages with reference counts and double-free detection.
+
+    ``ref[p]`` counts the block-table rows (running or parked) whose tables hold page ``p``; ``pins[p]`` counts the
+    prefix-cache entries that retain it (:mod:`tangram.prefix_cache`). A page returns to the free list only when
+    both are zero, so a page shared by several requests, or cached for later ones, is never freed while in use.
+    Without shared prefixes every page has ``ref == 1`` and no pin: :meth:`release` is then :meth:`free`.
+    """
 
     def __init__(self, num_pages: int, page_bytes: int):
         if num_pages <= 0:
@@ -105,6 +126,12 @@ class PagePool:
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # stack; top = end
         self._n_free = int(num_pages)
         self._in_use = np.zeros(num_pages, dtype=bool)
+        self.ref = np.zeros(num_pages, dtype=np.int32)
+        self.pins = np.zeros(num_pages, dtype=np.int32)
+        self.n_refs = 0  # sum of ref: table entries pointing at pages
+        self.n_referenced = 0  # pages with ref >= 1
+        self.n_shared = 0  # pages with ref >= 2 (held by two or more rows at once)
+        self.n_pinned = 0  # pages retained by the prefix cache
         self.total_allocs = 0
         self.total_frees = 0
 
@@ -116,22 +143,90 @@ class PagePool:
     def n_used(self) -> int:
         return self.num_pages - self._n_free
 
+    @property
+    def n_saved(self) -> int:
+        """Pages that sharing saves right now: table entries beyond the first on each shared page."""
+        return self.n_refs - self.n_referenced
+
     def alloc(self, n: int) -> np.ndarray:
+        """``n`` fresh pages, each held once (``ref = 1``) by the caller's row."""
         if n > self._n_free:
             raise OutOfPages(f"need {n} pages, {self._n_free} free")
         ids = self._free[self._n_free - n:self._n_free][::-1].copy()
         self._n_free -= n
         self._in_use[ids] = True
+        self.ref[ids] = 1
+        self.n_refs += n
+        self.n_referenced += n
         self.total_allocs += n
         return ids
 
+    def incref(self, ids: np.ndarray) -> None:
+        """Another row holds these (distinct, allocated) pages: a prefix-cache hit."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size == 0:
+            return
+        if not self._in_use[ids].all():
+            raise AssertionError("reference to a page that is not allocated")
+        r = self.ref[ids]
+        self.n_referenced += int(np.count_nonzero(r == 0))
+        self.n_shared += int(np.count_nonzero(r == 1))
+        self.ref[ids] = r + 1
+        self.n_refs += ids.size
+
+    def release(self, ids: np.ndarray) -> int:
+        """A row lets go of these (distinct) pages; those no row holds and no cache entry pins are freed.
+        Returns the number freed."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size == 0:
+            return 0
+        r = self.ref[ids] - 1
+        if (r < 0).any():
+            raise AssertionError("release of a page no row holds (double free)")
+        self.ref[ids] = r
+        self.n_refs -= ids.size
+        zero = r == 0
+        self.n_referenced -= int(np.count_nonzero(zero))
+        self.n_shared -= int(np.count_nonzero(r == 1))
+        dead = ids[zero & (self.pins[ids] == 0)]
+        self.free(dead)
+        return int(dead.size)
+
+    def pin(self, ids: np.ndarray) -> None:
+        """The prefix cache retains these (allocated) pages beyond their rows' lifetime; a repeated id pins twice."""
+        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
+        if ids.size == 0:
+            return
+        if not self._in_use[ids].all():
+            raise AssertionError("pin of a page that is not allocated")
+        p = self.pins[ids]
+        self.n_pinned += int(np.count_nonzero(p == 0))
+        self.pins[ids] = p + n
+
+    def unpin(self, ids: np.ndarray) -> int:
+        """A cache entry lets go of these pages; those nobody holds any more are freed. Returns the number freed."""
+        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
+        if ids.size == 0:
+            return 0
+        p = self.pins[ids] - n
+        if (p < 0).any():
+            raise AssertionError("unpin of a page that is not pinned")
+        self.pins[ids] = p
+        self.n_pinned -= int(np.count_nonzero(p == 0))
+        dead = ids[(p == 0) & (self.ref[ids] == 0)]
+        self.free(dead)
+        return int(dead.size)
+
     def free(self, ids: np.ndarray) -> None:
+        """Return pages to the free list (callers go through :meth:`release` / :meth:`unpin`)."""
         ids = np.asarray(ids, dtype=np.int32).ravel()
         if ids.size == 0:
             return
         srt = np.sort(ids)  # sort+diff: ~10x cheaper than np.unique's hashing for this check
         if not self._in_use[ids].all() or (srt[1:] == srt[:-1]).any():
             raise AssertionError("double free or free of a page that was never allocated")
+        if self.ref[ids].any() or self.pins[ids].any():
+            raise AssertionError("free of a page that a row holds or the prefix cache pins")
         self._in_use[ids] = False
         self._free[self._n_free:self._n_free + ids.size] = ids
         self._n_free += ids.size
@@ -195,17 +290,24 @@ class BlockTable:
         lens[:r0] = self.lens
         self.pages, self.npages, self.lens = pages, npages, lens
 
+    def row_ids(self, row: int, lo: np.ndarray | int = 0, hi: np.ndarray | None = None) -> np.ndarray:
+        """Page ids of the row's tables in columns ``[lo[t], hi[t])`` (default: all it holds), table-major."""
+        col = np.arange(self.pages.shape[2])[None, :]
+        hi = self.npages[row] if hi is None else np.asarray(hi)
+        mask = (col < hi[:, None]) & (col >= np.asarray(lo).reshape(-1, 1))
+        return self.pages[row][mask].astype(np.int64)
+
     def release_row(self, row: int) -> int:
-        """Free every page of the row; returns pages freed."""
+        """Let go of every page of the row (shared ones stay with their other holders); returns pages freed."""
         n = self.npages[row]
         ids = self.pages[row][np.arange(self.pages.shape[2])[None, :] < n[:, None]]
-        self.pool.free(ids)
+        freed = self.pool.release(ids)
         self.pages[row] = -1
         self.npages[row] = 0
         self.lens[row] = 0
         self._free_rows.append(row)
         self.rows_touched += self.layout.n_tables
-        return int(ids.size)
+        return freed
 
     def park(self, row: int) -> ParkedTables:
         n = self.npages[row].copy()
@@ -218,6 +320,7 @@ class BlockTable:
         return parked
 
     def unpark(self, parked: ParkedTables) -> int:
+        """A fresh row holding exactly the parked pages (also how a prefix-cache hit adopts shared pages)."""
         row = self.acquire_row()
         need_cap = int(parked.npages.max(initial=0))
         if need_cap > self.pages.shape[2]:
@@ -231,8 +334,8 @@ class BlockTable:
         return row
 
     def free_parked(self, parked: ParkedTables) -> int:
-        self.pool.free(parked.ids)
-        return int(parked.ids.size)
+        """Let go of a parked session's pages; returns pages freed (shared ones stay with their other holders)."""
+        return self.pool.release(parked.ids)
 
     # -- capacity
     def pages_needed(self, rows: np.ndarray, table_lens: np.ndarray) -> np.ndarray:
@@ -290,7 +393,7 @@ class BlockTable:
         off = np.arange(total) - np.repeat(np.cumsum(flat) - flat, flat)
         col = keep.ravel().repeat(flat) + off
         ids = self.pages[rr, tt, col]
-        self.pool.free(ids)
+        self.pool.release(ids)
         self.pages[rr, tt, col] = -1
         self.npages[rows] = keep
         self.rows_touched += int(np.count_nonzero(flat))

@@ -37,6 +37,13 @@ class StepPlan:
     # host control-plane work of this step (priced by the cost model, measured by the engine)
     counters: dict = field(default_factory=dict)
     retention: str = "static"  # full | uniform | global | static
+    # int64 [kp] key of each chunk's realised-retention draw (dynamic mode): its request id, or for a chunk of a
+    # shared-prefix chain the chain's content id, so equal prefixes realise equal keeps (None: prefill_ids)
+    prefill_key: np.ndarray | None = None
+    # shared prefixes, copy-on-write: before this step's forward the executor copies page copy_src[i] (every layer
+    # and head it spans) onto copy_dst[i], one index copy (int64 page ids; empty when nothing is copied)
+    copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_decode(self) -> int:
@@ -53,6 +60,10 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return self.decode_ids.size == 0 and self.prefill_ids.size == 0
+
+    @property
+    def draw_keys(self) -> np.ndarray:
+        return self.prefill_ids if self.prefill_key is None else self.prefill_key
 
 
 @dataclass

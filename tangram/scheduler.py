@@ -16,6 +16,12 @@ Sessions keep their compressed KV resident between turns; idle sessions are
 evicted LRU when memory runs short (their next turn recomputes the history),
 then running requests are preempted by recompute, latest admitted first.
 
+Turns that declare a shared-prefix chain (the trace's ``prefix``) reuse a
+cached prefix's pages by reference (:mod:`tangram.prefix_cache`): a hit skips
+prefilling those tokens, reserves only the pages it does not share, and copies
+the partial pages after the shared ones (``StepPlan.copy_src/copy_dst``).
+Cached pages nobody holds are evicted first when memory runs short.
+
 The scheduler knows nothing of time, torch or simpy: drivers call
 ``add_request`` when a turn is ready, then ``schedule`` / ``update`` per step.
 """
@@ -31,6 +37,7 @@ from tangram.config import EngineConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import BlockTable, KVLayout, OutOfPages, PagePool, ParkedTables
 from tangram.plan import Event, StepPlan, StepResult
+from tangram.prefix_cache import ChainPlan, PrefixCache, check_prefix
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -50,6 +57,12 @@ class Request:
     row: int = -1
     seq: int = -1  # admission order (preemption picks the latest)
     preemptions: int = 0
+    chain: ChainPlan | None = None  # its shared-prefix chain (None: no prefix, or the cache is off)
+    cuts: np.ndarray | None = None  # this attempt's chunks are also cut here (a compressed fresh prefill of a chain)
+    units: list = field(default_factory=list)  # prefix-cache units its row holds, in chain order
+    reg: int = -1  # index of the next chain boundary this attempt may register in the cache (-1: none)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over attempts
+    pending_copy: tuple | None = None  # (src, dst) page ids copied before its first chunk runs
 
     @property
     def decoding(self) -> bool:
@@ -63,6 +76,7 @@ class Session:
     parked: ParkedTables | None = None  # resident, idle
     parked_head_lens: np.ndarray | None = None
     parked_ctx: int = 0
+    parked_units: list = field(default_factory=list)  # prefix-cache units the parked row holds
     busy: bool = False  # a turn of it is admitted
 
 
@@ -78,12 +92,22 @@ class SchedulerStats:
     pages_freed: int = 0
     pages_reclaimed: int = 0  # dynamic mode's compress-and-reclaim
     peak_pages: int = 0
+    # shared prefixes (tangram.prefix_cache)
+    prefix_turns: int = 0  # turns added with a prefix chain
+    prefix_lookups: int = 0  # admissions that looked a chain up (fresh prefills of a chain)
+    prefix_hits: int = 0  # of which found at least one cached unit
+    prefix_hit_tokens: int = 0  # prompt tokens not prefilled thanks to a hit
+    prompt_tokens: int = 0  # prompt tokens of every admission, before hits
+    page_copies: int = 0  # partial pages copied on hits (copy-on-write)
+    shared_pages_peak: int = 0  # pages held by two or more rows at once
+    saved_pages_peak: int = 0  # table entries beyond the first on shared pages (pages sharing saved)
+    cached_pages_peak: int = 0  # pages the prefix cache retained
     extra: dict = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, model: ModelConfig, engine: EngineConfig, profile: BudgetProfile | None = None,
-                 *, pool_bytes: int | None = None, num_pages: int | None = None):
+                 *, pool_bytes: int | None = None, num_pages: int | None = None, prefix_cache: bool = True):
         self.model, self.engine = model, engine
         L, H = model.num_layers, model.num_kv_heads
         self.retention = engine.retention
@@ -119,12 +143,22 @@ class Scheduler:
         self.running: list[Request] = []
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident idle sessions, LRU first
         self.stats = SchedulerStats()
-        self.live_tokens = 0  # head-tokens held (sum of head_lens over resident KV)
+        self._head_tokens = 0  # head-tokens held, summed over rows (sum of head_lens over resident KV)
+        # shared prefixes: whole pages in full mode, whole chunks of a fresh prefill in compressed modes
+        self.pc = PrefixCache(self.layout, self.pool, engine.chunk_size, page_units=self.retention == "full") \
+            if prefix_cache else None
+        self._copies: list[tuple] = []
         self._seq = 0
         self._step = 0
         self._in_step: set[int] = set()
         self._events: list[Event] = []
         self._counters: dict = {}
+
+    @property
+    def live_tokens(self) -> int:
+        """Head-tokens held in pages, each physical page counted once: a page several rows share is full for
+        every head it spans (only such pages are shared), so the rows' sum overcounts it by its extra holders."""
+        return self._head_tokens - self.pool.n_saved * self.layout.page_head_tokens
 
     # ------------------------------------------------------------------ sizes
     def _keep(self, c: np.ndarray) -> np.ndarray:
@@ -132,39 +166,70 @@ class Scheduler:
         c = np.asarray(c, dtype=np.int64)
         return np.ceil(self.keep_ratio[None] * c[:, None, None] - 1e-9).astype(np.int64)
 
-    def _prefill_keep_total(self, prompt: int) -> np.ndarray:
-        """Post-compression tokens per head after prefilling ``prompt`` tokens in chunks of C."""
+    def _prefill_keep_total(self, prompt: int, start: int = 0, cuts: np.ndarray | None = None) -> np.ndarray:
+        """Post-compression tokens per head after prefilling ``prompt`` tokens from ``start`` in chunks of C (also
+        cut at ``cuts``, chunks of C restarting after each cut)."""
         C = self.engine.chunk_size
-        n_full, rem = divmod(int(prompt), C)
-        k = self._keep(np.array([C, rem]))
-        return n_full * k[0] + k[1]
+        if cuts is None:
+            pieces = [int(prompt)]
+        else:
+            end = start + int(prompt)
+            pieces = np.diff([start, *cuts[(cuts > start) & (cuts < end)].tolist(), end]).tolist()
+        n_full, rems = 0, []
+        for x in pieces:
+            f, r = divmod(int(x), C)
+            n_full += f
+            rems.append(r)
+        k = self._keep(np.array([C] + rems))
+        return n_full * k[0] + k[1:].sum(axis=0)
 
-    def footprint_pages(self, prompt: int, output: int, head_lens: np.ndarray | None = None) -> int:
+    def _chunk_len(self, remaining: int, pos: int, cuts: np.ndarray | None) -> int:
+        """Tokens of the next chunk at context position ``pos``."""
+        c = min(self.engine.chunk_size, remaining)
+        if cuts is not None:
+            i = int(np.searchsorted(cuts, pos, side="right"))
+            if i < cuts.size:
+                c = min(c, int(cuts[i]) - pos)
+        return c
+
+    def footprint_pages(self, prompt: int, output: int, head_lens: np.ndarray | None = None,
+                        cuts: np.ndarray | None = None) -> int:
         """Pages a turn occupies once prefilled and decoded (from ``head_lens``, default empty)."""
         base = np.zeros(self.keep_ratio.shape, dtype=np.int64) if head_lens is None else head_lens
         if self.retention == "global":  # expected compressed size plus one uncompressed chunk in flight
             est = np.ceil(self._est_ratio * prompt).astype(np.int64)
             final = base + est + min(prompt, self.engine.chunk_size) + output
         else:
-            final = base + self._prefill_keep_total(prompt) + output
+            final = base + self._prefill_keep_total(prompt, 0, cuts) + output
         return int(self.layout.pages_for(self.layout.table_lens(final)).sum())
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, rid: int, sid: str, new_tokens: int, output_tokens: int) -> list[Event]:
-        """A turn became ready (arrived, or its think time passed). Returns rejection events, if any."""
+    def add_request(self, rid: int, sid: str, new_tokens: int, output_tokens: int, prefix=()) -> list[Event]:
+        """A turn became ready (arrived, or its think time passed). Returns rejection events, if any.
+
+        ``prefix``: the turn's shared-prefix chain ``((segment_id, tokens), ...)``, covering the first
+        ``sum(tokens)`` tokens of its context (the session's history here, then ``new_tokens``; docs/traces.md)."""
         if rid in self.requests:
             raise ValueError(f"request id {rid} added twice")
         req = Request(rid, sid, int(new_tokens), int(output_tokens))
+        hist = self.sessions[sid].history if sid in self.sessions else 0
+        prefix = check_prefix(prefix, hist + req.new_tokens) if prefix else ()
         self.requests[rid] = req
         sess = self.sessions.setdefault(sid, Session(sid))
         if sess.busy:
             raise ValueError(f"session {sid} already has a turn in flight")
+        cuts = None
+        if prefix:
+            self.stats.prefix_turns += 1
+            if self.pc is not None:
+                req.chain = self.pc.chain(prefix)
+                cuts = None if self.pc.page_units else req.chain.ends
         total = sess.history + req.new_tokens + req.output_tokens
         reason = None
         if total > self.model.max_context:
             reason = f"context {total} tokens exceeds the model's {self.model.max_context}"
         else:
-            need = self.footprint_pages(sess.history + req.new_tokens, req.output_tokens)
+            need = self.footprint_pages(sess.history + req.new_tokens, req.output_tokens, cuts=cuts)
             if need > self.pool.num_pages:
                 reason = (f"turn needs {need} KV pages ({need * self.layout.page_bytes / 2**30:.2f} GiB) "
                           f"but the whole pool holds {self.pool.num_pages}")
@@ -189,12 +254,18 @@ class Scheduler:
     # ------------------------------------------------------------------ memory pressure
     def _drop_parked(self, sess: Session) -> None:
         self.stats.pages_freed += self.bt.free_parked(sess.parked)
-        self.live_tokens -= int(sess.parked_head_lens.sum())
+        self._head_tokens -= int(sess.parked_head_lens.sum())
+        if sess.parked_units:
+            self.pc.release(sess.parked_units)
+            sess.parked_units = []
         sess.parked = sess.parked_head_lens = None
         sess.parked_ctx = 0
         self.idle.pop(sess.sid, None)
 
     def _evict_one(self, keep: str | None = None) -> bool:
+        """Free memory: a cached prefix unit nobody holds (LRU), else the least recently used idle session."""
+        if self.pc is not None and self.pc.evict_one():
+            return True
         for sid in self.idle:
             if sid != keep:
                 self._drop_parked(self.sessions[sid])
@@ -215,13 +286,20 @@ class Scheduler:
         self._events.append(Event(req.rid, "preempted"))
 
     def _release_row(self, req: Request) -> None:
-        self.live_tokens -= int(self.head_lens[req.row].sum())
+        self._head_tokens -= int(self.head_lens[req.row].sum())
         self.stats.pages_freed += self.bt.release_row(req.row)
         self.head_lens[req.row] = 0
         self.ctx[req.row] = 0
+        if req.units:
+            self.pc.release(req.units)
+            req.units = []
+        if req.pending_copy is not None:
+            self.stats.pages_freed += self.pool.unpin(req.pending_copy[0])
+            req.pending_copy = None
 
     def _make_room(self, pages: int, *, keep_sid: str | None = None, preempt_after: int | None = None) -> bool:
-        """Free pages: idle sessions LRU first, then (if allowed) running turns admitted after ``preempt_after``."""
+        """Free pages: cached prefix units nobody holds, then idle sessions, LRU first, then (if allowed) running
+        turns admitted after ``preempt_after``."""
         while self.pool.n_free < pages:
             if self._evict_one(keep=keep_sid):
                 continue
@@ -241,6 +319,7 @@ class Scheduler:
         self._step += 1
         self._events: list[Event] = []
         self._counters = {"admitted": 0, "preempted": 0, "evicted": 0, "pages_allocated": 0}
+        self._copies = []
         rows0, alloc0 = self.bt.rows_touched, self.pool.total_allocs
         frees0 = self.pool.total_frees
         budget = self.engine.max_batched_tokens
@@ -265,7 +344,7 @@ class Scheduler:
             self.head_lens[rows] = new_lens
             self.bt.lens[rows] = tl
             self.ctx[rows] += 1
-            self.live_tokens += rows.size * new_lens[0].size
+            self._head_tokens += rows.size * new_lens[0].size
             budget -= len(dec)
             d_ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
             self._in_step.update(int(r) for r in d_ids)
@@ -289,12 +368,18 @@ class Scheduler:
             budget -= self._schedule_chunk(self.running[-1], budget, pf)
 
         if pf:
-            p_ids, p_rows, p_start, p_tok, p_last, p_before, p_keep, p_pages = map(np.array, zip(*pf))
+            p_ids, p_rows, p_start, p_tok, p_last, p_before, p_keep, p_pages, p_key = map(np.array, zip(*pf))
         else:
-            p_ids = p_rows = p_start = p_tok = _EMPTY
+            p_ids = p_rows = p_start = p_tok = p_key = _EMPTY
             p_last = np.zeros(0, dtype=bool)
             p_before = p_keep = np.zeros((0,) + self.keep_ratio.shape, dtype=np.int64)
             p_pages = np.zeros((0, self.layout.n_tables), dtype=np.int64)
+        c_src = c_dst = _EMPTY
+        if self._copies:  # copy-on-write of hits whose first chunk runs now
+            c_src = np.concatenate([c[0] for c in self._copies]).astype(np.int64)
+            c_dst = np.concatenate([c[1] for c in self._copies]).astype(np.int64)
+            self._counters["page_copies"] = int(c_src.size)
+            self.stats.page_copies += int(c_src.size)
         self._counters.update(
             pages_allocated=self.pool.total_allocs - alloc0, pages_freed=self.pool.total_frees - frees0,
             rows_touched=self.bt.rows_touched - rows0, tables=self.layout.n_tables,
@@ -302,8 +387,17 @@ class Scheduler:
         self.stats.pages_allocated += self._counters["pages_allocated"]
         self.stats.steps += 1
         self.stats.peak_pages = max(self.stats.peak_pages, self.pool.n_used)
+        if self.pc is not None:
+            self._prefix_peaks()
         return StepPlan(self._step, d_ids, d_rows, d_ctx, d_lens, p_ids, p_rows, p_start, p_tok, p_last,
-                        p_before, p_keep, p_pages, dict(self._counters), self.retention)
+                        p_before, p_keep, p_pages, dict(self._counters), self.retention,
+                        prefill_key=p_key, copy_src=c_src, copy_dst=c_dst)
+
+    def _prefix_peaks(self) -> None:
+        st, pool = self.stats, self.pool
+        st.shared_pages_peak = max(st.shared_pages_peak, pool.n_shared)
+        st.saved_pages_peak = max(st.saved_pages_peak, pool.n_saved)
+        st.cached_pages_peak = max(st.cached_pages_peak, pool.n_pinned)
 
     def _prompt_of(self, req: Request) -> int:
         """Tokens the turn must prefill if admitted now: its new tokens, plus the history if not resident."""
@@ -318,11 +412,28 @@ class Scheduler:
         prompt = self._prompt_of(req)
         base = sess.parked_head_lens if resident else np.zeros(self.keep_ratio.shape, dtype=np.int64)
         held = int(sess.parked.npages.sum()) if resident else 0
-        if self.engine.reserve_exact:
-            final = base + self._prefill_keep_total(prompt)
-        else:  # pages come chunk by chunk; admission only checks the first chunk fits
-            final = base + self._keep(np.array([min(prompt, self.engine.chunk_size)]))[0]
-        need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held)
+        chain, cuts, units = req.chain, None, []
+        if chain is not None and not resident:  # a fresh prefill of a chain: look the chain up
+            if not self.pc.page_units:
+                cuts = chain.ends
+            units = self.pc.lookup(chain, prompt - 1)  # the last prompt token is always computed (its logits)
+        base0 = base
+        while True:
+            hit, shared, base = 0, 0, base0
+            if units:
+                hit, base, shared = units[-1].end, units[-1].lens, int(units[-1].stable.sum())
+            if self.engine.reserve_exact:
+                final = base + self._prefill_keep_total(prompt - hit, hit, cuts)
+            else:  # pages come chunk by chunk; admission only checks the first chunk fits
+                final = base + self._keep(np.array([self._chunk_len(prompt - hit, hit, cuts)]))[0]
+            need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held - shared)
+            # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
+            # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
+            if not units or need + held + shared + units[-1].tail_ids.size <= self.pool.num_pages:
+                break
+            units.pop()
+            while units and not units[-1].endable:
+                units.pop()
         if resident and need + held > self.pool.num_pages:
             # The resident history plus this turn can never fit, though a recompute does (add_request checked):
             # the resident cache keeps the last turn's output uncompressed, a recompute compresses it. Waiting
@@ -334,7 +445,13 @@ class Scheduler:
         watermark = int(0.01 * self.pool.num_pages) if self.running else 0
         if not self.engine.reserve_exact:
             watermark += self._inflight_chunk_pages()
+        if units:  # before making room: the units it hits are not evicted, nor the copy sources it needs dropped
+            self.pc.hold(units)
+            self.pool.pin(units[-1].tail_ids)
         if not self._make_room(need + watermark, keep_sid=req.sid):
+            if units:
+                self.pc.release(units)
+                self.pool.unpin(units[-1].tail_ids)
             return False
         self.waiting.popleft()
         if resident:
@@ -344,6 +461,21 @@ class Scheduler:
             self.head_lens[row] = sess.parked_head_lens
             self.ctx[row] = sess.parked_ctx
             sess.parked = sess.parked_head_lens = None
+            req.units, sess.parked_units = sess.parked_units, []
+        elif units:
+            last = units[-1]
+            tl0 = self.layout.table_lens(last.lens)
+            npg, ids = self.pc.adopt(units)
+            row = self.bt.unpark(ParkedTables(npg, tl0, ids))  # the shared pages, by reference
+            self.pool.incref(ids)
+            self._fit_rows()
+            self.head_lens[row] = last.lens
+            self.ctx[row] = hit
+            self._head_tokens += int(last.lens.sum())
+            if last.tail_ids.size:  # copy-on-write: its own copy of the partial pages after the shared ones (their
+                self.bt.ensure(np.array([row]), tl0[None])  # pin, taken above, lasts until the copy step has run)
+                req.pending_copy = (last.tail_ids, self.bt.row_ids(row, last.stable, last.stable + last.tail_cnt))
+            req.units = list(units)
         else:
             row = self.bt.acquire_row()
             self._fit_rows()
@@ -351,13 +483,49 @@ class Scheduler:
             self.ctx[row] = 0
         if self.engine.reserve_exact:
             self.bt.ensure(np.array([row]), self.layout.table_lens(final)[None])
-        req.status, req.row, req.prompt, req.prefilled = "running", row, prompt, 0
+        req.status, req.row, req.prompt, req.prefilled = "running", row, prompt - hit, 0
         req.seq, self._seq = self._seq, self._seq + 1
+        req.cuts = cuts
+        req.reg = -1
+        if chain is not None and (not resident or self.pc.page_units):
+            # it may cache its own pages of the chain while it holds the chain's units before them (one lineage)
+            if [u.key for u in req.units] == chain.keys[:len(req.units)]:
+                req.reg = len(req.units)
+                if resident:  # full mode: the resident history's complete pages inside the chain
+                    self._register(req)
         self.running.append(req)
         self.stats.admitted += 1
+        self.stats.prompt_tokens += prompt
+        if chain is not None and not resident:
+            self.stats.prefix_lookups += 1
+            if hit:
+                self.stats.prefix_hits += 1
+                self.stats.prefix_hit_tokens += hit
+                req.cached_tokens += hit
         self._counters["admitted"] += 1
         self._events.append(Event(req.rid, "admitted", "resident" if resident else "recompute"))
         return True
+
+    def _register(self, req: Request) -> None:
+        """Cache the row's pages of the chain's boundaries it has computed (in order, one lineage)."""
+        ch, row = req.chain, req.row
+        pos = int(self.ctx[row])
+        while 0 <= req.reg < ch.bounds.size and ch.bounds[req.reg] <= pos:
+            b = int(ch.bounds[req.reg])
+            if self.pc.page_units:  # full: every head holds every token; pages [0, b/P) are complete
+                lens = np.full(self.keep_ratio.shape, b, dtype=np.int64)
+            elif b == pos:  # compressed: the chunk that just ended at b
+                lens = self.head_lens[row]
+            else:  # a boundary passed without a chunk ending there: not this chain's fresh layout
+                req.reg = -1
+                return
+            u = self.pc.register(ch.keys[req.reg], b, req.units[-1] if req.units else None, lens, self.bt, row,
+                                 keep_tail=bool(ch.keep_tail[req.reg]))
+            if u is None:  # already cached from another row's pages: ours stay private from here on
+                req.reg = -1
+                return
+            req.units.append(u)
+            req.reg += 1
 
     def _inflight_chunk_pages(self) -> int:
         """Pages the next chunk of every admitted, still-prefilling turn will take (chunk-by-chunk modes).
@@ -369,8 +537,8 @@ class Scheduler:
         if not pre:
             return 0
         rows = np.fromiter((r.row for r in pre), dtype=np.int64, count=len(pre))
-        c = np.fromiter((min(self.engine.chunk_size, r.prompt - r.prefilled) for r in pre), dtype=np.int64,
-                        count=len(pre))
+        c = np.fromiter((self._chunk_len(r.prompt - r.prefilled, int(self.ctx[r.row]), r.cuts) for r in pre),
+                        dtype=np.int64, count=len(pre))
         tl = self.layout.table_lens(self.head_lens[rows] + self._keep(c))
         return int(self.bt.pages_needed(rows, tl).sum())
 
@@ -385,10 +553,11 @@ class Scheduler:
 
     def _schedule_chunk(self, req: Request, budget: int, pf: list) -> int:
         """Put the request's next chunk in the step; returns tokens used (0 if it must wait)."""
-        c = min(self.engine.chunk_size, req.prompt - req.prefilled)
+        row = req.row
+        start = int(self.ctx[row])
+        c = self._chunk_len(req.prompt - req.prefilled, start, req.cuts)
         if c > budget and pf:  # the first chunk of a step may overrun the budget so prefill never starves
             return 0
-        row = req.row
         before = self.head_lens[row].copy()
         keep = self._keep(np.array([c]))[0]
         upper = before + keep  # global: keep == c, the over-allocation
@@ -401,12 +570,18 @@ class Scheduler:
         self.bt.lens[row] = tl[0]
         if self.retention != "global":
             self.head_lens[row] = upper
-            self.live_tokens += int(keep.sum())
-        start = int(self.ctx[row])
+            self._head_tokens += int(keep.sum())
         self.ctx[row] += c
         req.prefilled += c
         self._in_step.add(req.rid)
-        pf.append((req.rid, row, start, c, req.prefilled >= req.prompt, before, keep, self.bt.npages[row].copy()))
+        key = req.rid  # the dynamic mode's retention draw: per request, or per chain for a chunk of the chain
+        if req.cuts is not None and start + c <= int(req.chain.ends[-1]):
+            key = int(req.chain.draw[int(np.searchsorted(req.chain.bounds, start + c))])
+        if req.pending_copy is not None:
+            self._copies.append(req.pending_copy)
+            req.pending_copy = None
+        pf.append((req.rid, row, start, c, req.prefilled >= req.prompt, before, keep, self.bt.npages[row].copy(),
+                   key))
         return c
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Event]:
@@ -418,10 +593,18 @@ class Scheduler:
             kept = np.clip(np.asarray(result.realized_keep, dtype=np.int64), 0, plan.prefill_keep)
             new = plan.prefill_head_lens + kept
             self.head_lens[plan.prefill_rows] = new
-            self.live_tokens += int(kept.sum())
+            self._head_tokens += int(kept.sum())
             reclaimed = self.bt.truncate(plan.prefill_rows, self.layout.table_lens(new))
             self.stats.pages_reclaimed += reclaimed
             self.stats.pages_freed += reclaimed
+        if plan.copy_src.size:  # the step copied them
+            self.stats.pages_freed += self.pool.unpin(plan.copy_src)
+        if self.pc is not None and plan.num_prefill:  # the chunks ran: cache the chain's pages they completed
+            for rid in plan.prefill_ids.tolist():
+                req = self.requests[rid]
+                if req.reg >= 0:
+                    self._register(req)
+            self._prefix_peaks()
         for i in range(plan.num_prefill):
             if plan.prefill_last[i]:
                 self._emit_token(self.requests[int(plan.prefill_ids[i])], events)
@@ -447,6 +630,7 @@ class Scheduler:
             sess.parked_head_lens = self.head_lens[req.row].copy()
             sess.parked_ctx = int(self.ctx[req.row])
             sess.parked = self.bt.park(req.row)
+            sess.parked_units, req.units = req.units, []
             self.head_lens[req.row] = 0
             self.ctx[req.row] = 0
             self.idle[req.sid] = None
@@ -454,6 +638,10 @@ class Scheduler:
             self._release_row(req)
         req.row = -1
         self.stats.finished += 1
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached prefix unit no row holds (end of a run, before a leak check); returns pages freed."""
+        return self.pc.clear() if self.pc is not None else 0
 
     # ------------------------------------------------------------------ reporting
     def kv_usage(self) -> dict:

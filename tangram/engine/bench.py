@@ -291,13 +291,18 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
 
 
 def leak_check(sched) -> dict:
-    """Every page back in the pool once every session ended; rows of the block table all free."""
+    """Every page back in the pool once every session ended; rows of the block table all free. The shared-prefix
+    cache's pages, held by no row once every session ended, are evicted first (counted as prefix_cache_pages)."""
+    cached = sched.clear_prefix_cache()
     used = int(sched.pool.n_used)
     table = int(sched.bt.npages.sum())
     open_sessions = sorted(sid for sid, s in sched.sessions.items() if s.parked is not None or s.busy)
     ok = used == 0 and table == 0 and not open_sessions and not sched.running
-    return {"ok": bool(ok), "pages_in_use": used, "pages_in_tables": table, "pages_total": int(sched.pool.num_pages),
-            "open_sessions": open_sessions[:10], "running": len(sched.running)}
+    out = {"ok": bool(ok), "pages_in_use": used, "pages_in_tables": table, "pages_total": int(sched.pool.num_pages),
+           "open_sessions": open_sessions[:10], "running": len(sched.running)}
+    if sched.stats.prefix_turns:
+        out["prefix_cache_pages"] = cached
+    return out
 
 
 def run(args) -> dict:

@@ -86,25 +86,72 @@ class TimedScheduler(Scheduler):
 
 
 class TokenSource:
-    """Prompt ids per turn: tokenized ``text`` when present, else seeded random ids (reproducible per rid)."""
+    """Prompt ids per turn: tokenized ``text`` when present, else seeded random ids (reproducible per rid).
+
+    Shared prefixes: the context positions a session's turns declare as ``prefix`` segments (the first declaration
+    of a position wins) hold ids drawn from the segment's content id (``chain_hashes``, a function of the chain up
+    to it), so sessions that share a chain share those token ids, and a cache hit is reproducible bit for bit;
+    outputs at such positions (a history another session continues) are the declared ids, not the samples.
+    """
 
     def __init__(self, vocab: int, seed: int = 0, texts: dict[int, str] | None = None, tokenizer=None):
         self.vocab, self.seed = vocab, seed
         self.texts = texts or {}
         self.tokenizer = tokenizer
+        self._session: dict[int, str] = {}
+        self._spans: dict[str, list[tuple[int, int, int]]] = {}  # session -> (start, end, content id)
+        self._segments: dict[tuple[int, int], np.ndarray] = {}
 
     @classmethod
     def from_trace(cls, trace, vocab: int, seed: int = 0, tokenizer=None) -> "TokenSource":
         texts = {i: t.text for i, t in enumerate(trace.turns) if t.text} if tokenizer is not None else {}
-        return cls(vocab, seed, texts, tokenizer)
+        src = cls(vocab, seed, texts, tokenizer)
+        for i, t in enumerate(trace.turns):
+            if t.prefix:
+                src.declare(i, t.session_id, t.prefix)
+        return src
 
-    def turn_ids(self, rid: int, n: int) -> np.ndarray:
+    def declare(self, rid: int, sid: str, prefix) -> None:
+        """Turn ``rid`` of session ``sid`` declares ``prefix`` over its context."""
+        from tangram.prefix_cache import chain_hashes
+
+        self._session[rid] = sid
+        spans = self._spans.setdefault(sid, [])
+        start = 0
+        for (_, n), key in zip(prefix, chain_hashes(prefix)):
+            end = start + int(n)
+            if not any(a < end and start < b for a, b, _ in spans):
+                spans.append((start, end, key))
+            start = end
+
+    def _segment(self, key: int, n: int) -> np.ndarray:
+        seg = self._segments.get((key, n))
+        if seg is None:
+            seg = self._segments[(key, n)] = np.random.default_rng([self.seed, key]).integers(0, self.vocab, n,
+                                                                                               dtype=np.int64)
+        return seg
+
+    def turn_ids(self, rid: int, n: int, start: int = 0) -> np.ndarray:
+        """The turn's ``n`` prompt ids, the first at context position ``start`` of its session."""
         text = self.texts.get(rid)
         if text and self.tokenizer is not None:
             ids = np.asarray(self.tokenizer.encode(text), dtype=np.int64) % self.vocab
             if ids.size:
                 return np.resize(ids, n)  # repeats when the text is shorter than the trace says
-        return np.random.default_rng([self.seed, rid]).integers(0, self.vocab, n, dtype=np.int64)
+        ids = np.random.default_rng([self.seed, rid]).integers(0, self.vocab, n, dtype=np.int64)
+        for a, b, key in self._spans.get(self._session.get(rid), ()):
+            lo, hi = max(a, start), min(b, start + n)
+            if lo < hi:
+                ids[lo - start:hi - start] = self._segment(key, b - a)[lo - a:hi - a]
+        return ids
+
+    def output_id(self, rid: int, pos: int, sampled: int) -> int:
+        """The id the session's stream holds at ``pos`` after sampling ``sampled`` there."""
+        if rid not in self.texts:
+            for a, b, key in self._spans.get(self._session.get(rid), ()):
+                if a <= pos < b:
+                    return int(self._segment(key, b - a)[pos - a])
+        return sampled
 
 
 @dataclass
@@ -249,7 +296,7 @@ class Executor:
         s = self.streams.setdefault(req.sid, [])
         if rid not in self._started:  # first chunk of this turn: its prompt joins the session's stream
             self._started.add(rid)
-            s.extend(self.tokens.turn_ids(rid, req.new_tokens).tolist())
+            s.extend(self.tokens.turn_ids(rid, req.new_tokens, start=len(s)).tolist())
         return s
 
     def forget_session(self, sid: str) -> None:
@@ -374,6 +421,8 @@ class Executor:
         t0 = time.perf_counter()
         ops = _Ops(self.opts.time_ops, self.cuda)
         kd, kp = plan.num_decode, plan.num_prefill
+        if plan.copy_src.size:  # shared prefixes: copy-on-write of the partial pages a hit continues
+            self.cache.copy_pages(plan.copy_src, plan.copy_dst)
         ids, pos, bounds = self._gather(plan)
         last = [bounds[i + 1] - 1 for i in range(kp) if plan.prefill_last[i]]
         host_plan_s, st = 0.0, {}
@@ -399,7 +448,8 @@ class Executor:
         sampled = {}
         for j, (rid, tok) in enumerate(zip(sample_ids, toks_np.tolist())):
             sampled[rid] = tok
-            self._stream(rid).append(tok)
+            s = self._stream(rid)
+            s.append(self.tokens.output_id(rid, len(s), tok))
             if self.opts.record_logits:
                 self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].cpu()))
         host_s = self.sched.take_host_s() if hasattr(self.sched, "take_host_s") else 0.0

@@ -75,6 +75,11 @@ class KVCache:
         page = tables[b_idx, t_idx[None], pos // self.layout.page_size].long()
         return page, pos % self.layout.page_size
 
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Whole pages (every layer and head they span) ``src[i]`` -> ``dst[i]`` in one index copy."""
+        d = self.to_device(np.asarray(dst, dtype=np.int64))
+        self.pool.index_copy_(0, d, self.pool.index_select(0, self.to_device(np.asarray(src, dtype=np.int64))))
+
     def write_decode(self, layer: int, page: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
         """Each head's new token at its own position (slot order); ``page``/``off`` [B, H] of this layer,

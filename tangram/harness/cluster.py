@@ -118,7 +118,7 @@ class Cluster:
         self.holder[sid] = rep
         rec.replica = rep.idx
         rec.prefill_tokens = new_tokens
-        events = rep.sched.add_request(idx, sid, new_tokens, t.output_tokens)
+        events = rep.sched.add_request(idx, sid, new_tokens, t.output_tokens, prefix=t.prefix)
         if events:  # rejected at intake
             self._reject_session(idx, events[0].detail, rep)
             return
@@ -194,6 +194,7 @@ class Cluster:
             elif k == "finished":
                 rec.finish_s = t1
                 rec.status = "finished"
+                rec.cached_tokens = rep.sched.requests[ev.rid].cached_tokens
                 self._finished(rep, ev.rid, t1)
             elif k == "admitted":
                 if rec.admitted_s is None:

@@ -58,4 +58,28 @@ def summarize(res: ClusterResult, engine: EngineConfig, executors: Sequence[Exec
         "n_cta": about["n_cta"],
         "engine": engine.to_dict(),
     })
+    if sum(x.prefix_turns for x in st):  # shared prefixes (only when the trace declares any: keys unchanged else)
+        s.update(prefix_metrics(st, res.records, pb))
     return s
+
+
+def prefix_metrics(stats, records, page_bytes: int) -> dict:
+    """Prefix-cache keys of the run summary (tangram.prefix_cache), summed over replicas."""
+    tot = {k: sum(getattr(x, k) for x in stats) for k in
+           ("prefix_turns", "prefix_lookups", "prefix_hits", "prefix_hit_tokens", "prompt_tokens", "page_copies")}
+    done = [r for r in records if r.status == "finished"]
+    hit_req = sum(1 for r in done if r.cached_tokens > 0)
+    shared = max(x.shared_pages_peak for x in stats)
+    return {
+        "prefix_turns": tot["prefix_turns"], "prefix_lookups": tot["prefix_lookups"],
+        "prefix_hits": tot["prefix_hits"],
+        # finished requests that reused a cached prefix / finished requests
+        "prefix_hit_rate_requests": hit_req / len(done) if done else 0.0,
+        # prompt tokens served from the cache / prompt tokens of every admission (vLLM's hits / queries)
+        "prefix_hit_rate_tokens": tot["prefix_hit_tokens"] / tot["prompt_tokens"] if tot["prompt_tokens"] else 0.0,
+        "prefix_tokens_saved": tot["prefix_hit_tokens"],
+        "prefix_shared_pages_peak": shared, "prefix_shared_bytes_peak": shared * page_bytes,
+        "prefix_saved_pages_peak": max(x.saved_pages_peak for x in stats),
+        "prefix_cached_pages_peak": max(x.cached_pages_peak for x in stats),
+        "prefix_page_copies": tot["page_copies"],
+    }
