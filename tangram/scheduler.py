@@ -30,7 +30,7 @@ from tangram.budgets import BudgetProfile
 from tangram.config import EngineConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import BlockTable, KVLayout, OutOfPages, PagePool, ParkedTables
-from tangram.plan import Event, StepPlan, StepResult
+from tangram.plan import DecodeRun, Event, StepPlan, StepResult
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -125,6 +125,9 @@ class Scheduler:
         self._in_step: set[int] = set()
         self._events: list[Event] = []
         self._counters: dict = {}
+        # fast-forward (decode_run): (request, free pages) of this step's failed admission of the queue's head
+        self._blocked: tuple[Request, int] | None = None
+        self._run: tuple | None = None
 
     # ------------------------------------------------------------------ sizes
     def _keep(self, c: np.ndarray) -> np.ndarray:
@@ -241,6 +244,7 @@ class Scheduler:
         self._step += 1
         self._events: list[Event] = []
         self._counters = {"admitted": 0, "preempted": 0, "evicted": 0, "pages_allocated": 0}
+        self._blocked = None
         rows0, alloc0 = self.bt.rows_touched, self.pool.total_allocs
         frees0 = self.pool.total_frees
         budget = self.engine.max_batched_tokens
@@ -335,6 +339,7 @@ class Scheduler:
         if not self.engine.reserve_exact:
             watermark += self._inflight_chunk_pages()
         if not self._make_room(need + watermark, keep_sid=req.sid):
+            self._blocked = (req, self.pool.n_free)  # what decode_run needs to know the next step admits nothing
             return False
         self.waiting.popleft()
         if resident:
@@ -454,6 +459,95 @@ class Scheduler:
             self._release_row(req)
         req.row = -1
         self.stats.finished += 1
+
+    # ------------------------------------------------------------------ fast-forward
+    def decode_run(self, max_steps: int | None = None) -> DecodeRun | None:
+        """The longest run of coming steps that are pure decode steps of the running batch, or None.
+
+        Call between ``update`` (or ``commit_run``) and the next ``schedule``. The steps ``schedule`` would plan
+        next are described at once when each one would only decode every running request: all of them are past
+        their prefill, none finishes before the run's last step, the pages that decode allocates fit the free pool
+        without evicting, and no turn is admitted. The last holds when nothing waits, the batch is at
+        ``max_num_seqs``, or this scheduler's last step already failed to admit the queue's head and nothing has
+        freed pages or parked a session since (the next attempts fail the same way, without side effects: a failed
+        admission has evicted every idle session but the head's own, and memory only shrinks during the run).
+        Pages are counted per step, vectorised: a table with ``c`` free token slots takes a page at steps
+        ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can interrupt such a
+        run (an arrival, another replica's doing): the driver then commits the steps up to the one in progress.
+        """
+        run = self.running
+        if not run or any(r.status != "running" or r.prefilled < r.prompt for r in run):
+            return None
+        blocked = None
+        if self.waiting and len(run) < self.engine.max_num_seqs:
+            b = self._blocked
+            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
+                return None
+            sid = b[0].sid
+            if any(s != sid for s in self.idle):
+                return None
+            blocked = b[0]
+        k_max = min(r.output_tokens - r.generated for r in run)  # the step where the first of them finishes
+        if max_steps is not None:
+            k_max = min(k_max, int(max_steps))
+        if k_max < 1:
+            return None
+        rows = np.fromiter((r.row for r in run), dtype=np.int64, count=len(run))
+        lens0 = self.head_lens[rows]
+        tl0 = self.layout.table_lens(lens0)
+        P = self.layout.page_size
+        # first step at which each table needs a page, then one every P steps (strided cumulative count)
+        first = (self.bt.npages[rows] * P - tl0).ravel() + 1
+        first = first[first <= k_max]
+        per = np.bincount(first, minlength=k_max + 1)[1:]
+        if first.size and k_max > P:
+            m = -(-k_max // P) * P
+            per = np.cumsum(np.pad(per, (0, m - k_max)).reshape(-1, P), axis=0).ravel()[:k_max]
+        k = int(np.searchsorted(np.cumsum(per), self.pool.n_free, side="right"))
+        if k < 1:
+            return None
+        out = DecodeRun(self._step + 1, np.fromiter((r.rid for r in run), dtype=np.int64, count=len(run)), rows,
+                        self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
+                        self.pool.n_used, self.live_tokens)
+        self._run = (out, list(run), blocked, self.pool.n_free)
+        return out
+
+    def commit_run(self, run: DecodeRun, j: int) -> list[Event]:
+        """Apply the first ``j`` steps of ``run`` (planned and updated), as ``j`` schedule/update pairs would;
+        returns the events of its last step (``finished`` turns). Counts are identical to the step-by-step path;
+        page ids may differ (a table's pages of the run are taken in one allocation)."""
+        if self._run is None or self._run[0] is not run:
+            raise ValueError("commit_run: not the scheduler's pending run (call decode_run, then commit it once)")
+        _, reqs, blocked, free0 = self._run
+        self._run = None
+        if not 1 <= j <= run.k:
+            raise ValueError(f"commit_run: {j} steps of a {run.k}-step run")
+        rows = run.decode_rows
+        new_lens = run.head_lens0 + j
+        tl = self.layout.table_lens(new_lens)
+        alloc = int(run.alloc[:j].sum())
+        touched = self.bt.rows_touched
+        got = self.bt.ensure(rows, tl)
+        assert got == alloc, (got, alloc)
+        self.bt.rows_touched = touched + alloc  # one page per growing table per step, as j single steps count it
+        self.head_lens[rows] = new_lens
+        self.bt.lens[rows] = tl
+        self.ctx[rows] += j
+        self.live_tokens += j * new_lens[0].size * rows.size
+        self._step += j
+        st = self.stats
+        st.steps += j
+        st.pages_allocated += alloc
+        st.peak_pages = max(st.peak_pages, run.pages_used0 + alloc)
+        self._counters = run.counters(j)
+        self._blocked = (blocked, free0 - alloc) if blocked is not None else None
+        events: list[Event] = []
+        for r in reqs:
+            r.generated += j - 1
+        for r in reqs:
+            self._emit_token(r, events)
+        self._events = []
+        return events
 
     # ------------------------------------------------------------------ reporting
     def kv_usage(self) -> dict:
