@@ -19,7 +19,7 @@ from tangram.budgets import BudgetProfile, drawn_keep
 from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
-from tangram.plan import StepPlan, StepResult
+from tangram.plan import DecodeRun, RunResult, StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
 
 from . import engine_overhead
@@ -204,6 +204,7 @@ class CostModel:
             self.sources[f"elementwise_{op}"] = "table:elementwise.csv" if f is not None else "roofline: bytes / BW"
         self.sources["sampling"] = self.sources.pop("elementwise_sampling")
         self._dense_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._row_tables: dict[tuple[str, str], np.ndarray] = {}
 
         # -- prefill attention + compression scoring/selection/scatter
         self._prefill = self.tables.prefill_interp(model)
@@ -253,6 +254,62 @@ class CostModel:
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 
+    # ------------------------------------------------------------------ runs of decode steps (fast-forward)
+    def execute_run(self, run: DecodeRun) -> RunResult:
+        """Price the ``k`` pure-decode steps of ``run`` at once: each step's duration and terms equal what
+        :meth:`execute` gives for ``run.plan(j)`` after steps 1..j-1 (the same functions, on arrays over the steps;
+        decode attention with the same rescale cache). Changes nothing; :meth:`commit_run` does."""
+        k, kd = run.k, run.num_decode
+        br: dict[str, np.ndarray] = {}
+        g, e = self._dense(kd, kd)
+        br["gemm"], br["elementwise"] = np.full(k, g), np.full(k, e)
+        dec, plan_s, caches = self._decode_run(run)
+        br["decode_attention"] = dec
+        if plan_s is not None and plan_s.any():
+            br["runtime_plan"] = plan_s
+        if self.overhead is not None:
+            terms = kernel_terms(br)
+            br["engine_overhead"] = np.asarray(
+                self.overhead.step_s(terms, self.model.num_layers, kd, 0, self.compress, self.partition == "aot",
+                                     self.engine.decode_graphed(kd, 0)), dtype=np.float64) - sum(terms.values())
+        br["host"] = np.broadcast_to(np.asarray(self._host(run.counters()), dtype=np.float64), (k,))
+        return RunResult(sum(br.values()), br, caches)
+
+    def commit_run(self, result: RunResult, j: int) -> None:
+        """Leave the decode-attention cache as ``j`` single steps would have."""
+        for step, cache in reversed(result.state):
+            if step <= j:
+                self._dec_cache = cache
+                return
+
+    def _decode_run(self, run: DecodeRun) -> tuple[np.ndarray, np.ndarray | None, list]:
+        """Decode attention of each step of a run: :meth:`_decode_cached`'s rule (rescale while the batch's tokens
+        grew by at most ``decode_refresh`` since the last full pricing, else price it again) over the steps."""
+        k, L = run.k, run.head_lens0.shape[1]
+        totals = run.totals
+        out = np.empty(k)
+        if self.partition == "runtime":  # replanned every step on the host: no cache, one pricing per step
+            plan_s = np.empty(k)
+            for i in range(k):
+                out[i], plan_s[i] = self._decode_attention(run.head_lens0 + (i + 1))
+            return out, plan_s, []
+        c, caches, i = self._dec_cache, [], 0
+        ids = run.decode_ids
+        while i < k:
+            if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
+                m = int(np.searchsorted(totals, c[1] * (1.0 + self.params.decode_refresh), side="right"))
+                if m > i:
+                    fixed = c[3]
+                    out[i:m] = fixed + (c[2] - fixed) * totals[i:m] / max(c[1], 1)
+                    i = m
+                    continue
+            t, _ = self._decode_attention(run.head_lens0 + (i + 1))
+            out[i] = t
+            c = (ids.copy(), int(totals[i]), t, L * self.dec_launch)
+            caches.append((i + 1, c))
+            i += 1
+        return out, None, caches
+
     # ------------------------------------------------------------------ dense layers
     def _dense(self, tokens: int, logit_rows: int) -> tuple[float, float]:
         key = (tokens, logit_rows)
@@ -269,7 +326,7 @@ class CostModel:
             reps = m.num_layers if op != "lm_head" else 1
             f = self._gemm_interp[op]
             if f is not None:
-                t = float(f(rows))
+                t = self._table_time(("gemm", op), f, rows)
             else:
                 n, k = self.gemm_shapes[op]
                 t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
@@ -280,13 +337,25 @@ class CostModel:
         for op, elems in per_tok.items():
             reps = m.num_layers * (2 if op == "rmsnorm" else 1)
             f = self._elem[op]
-            t = float(f(tokens)) if f is not None else tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
+            t = self._table_time(("elem", op), f, tokens) if f is not None else \
+                tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
             e += reps * t
         if logit_rows:  # sampling over the vocabulary, once per step
             f = self._elem["sampling"]
-            e += float(f(logit_rows)) if f is not None else logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
+            e += self._table_time(("elem", "sampling"), f, logit_rows) if f is not None else \
+                logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
         self._dense_cache[key] = (g, e)
         return g, e
+
+    def _table_time(self, key, f, rows: int) -> float:
+        """``f(rows)`` of a table interpolant, read from its values at every size 0..n-1 computed in one call
+        (grown by doubling): prefill steps bring new token counts all the time, and one scipy call per count
+        and operator was a tenth of a simulation."""
+        tab = self._row_tables.get(key)
+        if tab is None or rows >= tab.size:
+            tab = np.asarray(f(np.arange(max(1024, 2 * (rows + 1)), dtype=np.float64)), dtype=np.float64)
+            self._row_tables[key] = tab
+        return float(tab[rows])
 
     # ------------------------------------------------------------------ decode attention
     def split_map(self, batch: int) -> np.ndarray:
