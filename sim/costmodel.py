@@ -19,7 +19,7 @@ from tangram.budgets import BudgetProfile, drawn_keep
 from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
-from tangram.plan import DecodeRun, RunResult, StepPlan, StepResult
+from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
 
 from . import engine_overhead
@@ -255,23 +255,43 @@ class CostModel:
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 
     # ------------------------------------------------------------------ runs of decode steps (fast-forward)
-    def execute_run(self, run: DecodeRun) -> RunResult:
-        """Price the ``k`` pure-decode steps of ``run`` at once: each step's duration and terms equal what
-        :meth:`execute` gives for ``run.plan(j)`` after steps 1..j-1 (the same functions, on arrays over the steps;
-        decode attention with the same rescale cache). Changes nothing; :meth:`commit_run` does."""
+    def execute_run(self, run: StepRun) -> RunResult:
+        """Price the ``k`` steps of ``run`` at once: each step's duration and terms equal what :meth:`execute` gives
+        for ``run.plan(j)`` after steps 1..j-1 (the same functions, on arrays over the steps; decode attention with
+        the same rescale cache). Changes nothing; :meth:`commit_run` does."""
         k, kd = run.k, run.num_decode
+        kp = run.num_prefill
         br: dict[str, np.ndarray] = {}
-        g, e = self._dense(kd, kd)
-        br["gemm"], br["elementwise"] = np.full(k, g), np.full(k, e)
-        dec, plan_s, caches = self._decode_run(run)
-        br["decode_attention"] = dec
-        if plan_s is not None and plan_s.any():
-            br["runtime_plan"] = plan_s
+        if kp.any():
+            tokens = kd + np.bincount(run.chunk_step, weights=run.chunk_tokens, minlength=k + 1)[1:].astype(np.int64)
+            logits = kd + np.bincount(run.chunk_step, weights=run.chunk_last, minlength=k + 1)[1:].astype(np.int64)
+            pairs = {}
+            for t, lg in zip(tokens.tolist(), logits.tolist()):
+                if (t, lg) not in pairs:
+                    pairs[(t, lg)] = self._dense(t, lg)
+            ge = np.array([pairs[(t, lg)] for t, lg in zip(tokens.tolist(), logits.tolist())])
+            br["gemm"], br["elementwise"] = ge[:, 0].copy(), ge[:, 1].copy()
+        else:
+            g, e = self._dense(kd, kd)
+            br["gemm"], br["elementwise"] = np.full(k, g), np.full(k, e)
+        caches = []
+        if kd:
+            dec, plan_s, caches = self._decode_run(run)
+            br["decode_attention"] = dec
+            if plan_s is not None and plan_s.any():
+                br["runtime_plan"] = plan_s
+        if kp.any():
+            att, comp = np.zeros(k), np.zeros(k)
+            for j in np.flatnonzero(kp) + 1:  # a few chunk steps per run: the per-step function, unchanged
+                att[j - 1], comp[j - 1] = self._prefill_attention(run.plan(int(j)))
+            br["prefill_attention"] = att
+            if self.compress:
+                br["compression"] = comp
         if self.overhead is not None:
             terms = kernel_terms(br)
             br["engine_overhead"] = np.asarray(
-                self.overhead.step_s(terms, self.model.num_layers, kd, 0, self.compress, self.partition == "aot",
-                                     self.engine.decode_graphed(kd, 0)), dtype=np.float64) - sum(terms.values())
+                self.overhead.step_s(terms, self.model.num_layers, kd, kp, self.compress, self.partition == "aot",
+                                     self.engine.decode_graphed(kd, kp)), dtype=np.float64) - sum(terms.values())
         br["host"] = np.broadcast_to(np.asarray(self._host(run.counters()), dtype=np.float64), (k,))
         return RunResult(sum(br.values()), br, caches)
 
@@ -282,7 +302,7 @@ class CostModel:
                 self._dec_cache = cache
                 return
 
-    def _decode_run(self, run: DecodeRun) -> tuple[np.ndarray, np.ndarray | None, list]:
+    def _decode_run(self, run: StepRun) -> tuple[np.ndarray, np.ndarray | None, list]:
         """Decode attention of each step of a run: :meth:`_decode_cached`'s rule (rescale while the batch's tokens
         grew by at most ``decode_refresh`` since the last full pricing, else price it again) over the steps."""
         k, L = run.k, run.head_lens0.shape[1]

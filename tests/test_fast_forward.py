@@ -1,8 +1,8 @@
 """Fast-forward through runs of decode steps: the step-by-step path is the reference.
 
 Three levels, each against the reference and never against itself:
-* scheduler: ``decode_run`` + ``commit_run(j)`` leave the state ``j`` schedule/update pairs leave, and
-  ``DecodeRun.plan(i)`` is the plan ``schedule`` emits at step ``i``;
+* scheduler: ``plan_run`` + ``commit_run(j)`` leave the state ``j`` schedule/update pairs leave, and
+  ``StepRun.plan(i)`` is the plan ``schedule`` emits at step ``i``;
 * cost model: ``execute_run`` gives each step the duration and terms ``execute`` gives it one by one (rescale cache
   included), and ``commit_run(j)`` leaves the cache as ``j`` single steps do;
 * harness: whole replays (default trace, a Mooncake import, 3 replicas under each router, a memory-starved pool
@@ -148,11 +148,11 @@ def test_commit_run_equals_single_steps(seed):
     j schedule/update pairs leave, and plan(i) is exactly the plan schedule() emits."""
     rng = np.random.default_rng(seed)
     s = _busy_scheduler(seed, mode=["tangram", "full", "dynamic", "br"][seed % 4])
-    runs = 0
+    runs = chunks = 0
     for _ in range(3000):
         if not s.has_work():
             break
-        run = s.decode_run()
+        run = s.plan_run()
         if run is None:
             _step(s)
             continue
@@ -162,9 +162,12 @@ def test_commit_run_equals_single_steps(seed):
         for i in range(1, j + 1):
             plan, ev_ref = _step(ref)
             mine = run.plan(i)
-            for f in ("step", "decode_ids", "decode_rows", "decode_ctx", "decode_head_lens"):
+            for f in ("step", "decode_ids", "decode_rows", "decode_ctx", "decode_head_lens", "prefill_ids",
+                      "prefill_rows", "prefill_start", "prefill_tokens", "prefill_last", "prefill_head_lens",
+                      "prefill_keep", "prefill_pages"):
                 assert np.array_equal(getattr(plan, f), getattr(mine, f)), (f, i)
-            assert plan.num_prefill == 0 and plan.counters == mine.counters, (i, plan.counters, mine.counters)
+            assert plan.counters == mine.counters, (i, plan.counters, mine.counters)
+            chunks += plan.num_prefill
         ev = s.commit_run(run, j)
         assert [(e.rid, e.kind) for e in ev] == [(e.rid, e.kind) for e in ev_ref]
         assert dataclasses.asdict(s.stats) == dataclasses.asdict(ref.stats)
@@ -182,27 +185,29 @@ def test_commit_run_equals_single_steps(seed):
             assert np.array_equal(pa.decode_ids, pb.decode_ids) and np.array_equal(pa.prefill_ids, pb.prefill_ids)
             assert pa.counters == pb.counters
     assert runs > 0
+    if s.engine.reserve_exact:
+        assert chunks > 0, "no run carried a prefill chunk"
 
 
-def test_decode_run_refuses_when_the_next_step_would_admit():
+def test_plan_run_refuses_when_the_next_step_would_admit():
     """Nothing may be fast-forwarded while the queue's head could be admitted (or was never tried)."""
     s = _busy_scheduler(0)
-    while s.decode_run() is None and s.has_work():
+    while s.plan_run() is None and s.has_work():
         _step(s)
-    assert s.decode_run() is not None
+    assert s.plan_run() is not None
     s.add_request(99, "new", 4, 3)  # an arrival: only the next step can try to admit it
     if s.waiting[0].rid == 99:
-        assert s.decode_run() is None
-    run = s.decode_run()
+        assert s.plan_run() is None
+    run = s.plan_run()
     if run is not None:  # a blocked head: the new turn queues behind it and changes nothing
         assert s.waiting[0].rid != 99
 
 
 def test_commit_run_rejects_a_stale_run():
     s = _busy_scheduler(1)
-    while s.decode_run() is None and s.has_work():
+    while s.plan_run() is None and s.has_work():
         _step(s)
-    run = s.decode_run()
+    run = s.plan_run()
     s.commit_run(run, 1)
     with pytest.raises(ValueError):
         s.commit_run(run, 1)
@@ -223,7 +228,7 @@ def test_execute_run_prices_each_step_as_execute(mode, part):
         sched.add_request(i, f"s{i}", int(rng.integers(200, 6000)), int(rng.integers(300, 900)))
     run = None
     for _ in range(2000):
-        run = sched.decode_run()
+        run = sched.plan_run()
         if run is not None and run.k > 40:
             break
         plan = sched.schedule()

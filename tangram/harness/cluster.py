@@ -16,12 +16,12 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   and the old replica drops the session's KV.
 * A rejected turn rejects the rest of its session ("previous turn rejected");
   a session's KV is released (``end_session``) after its last turn.
-* Fast-forward: when the executor can price a run of decode steps at once (``execute_run``, the simulator's
-  cost model), a replica whose coming steps only decode its unchanged batch (``Scheduler.decode_run``) advances
-  through the whole run in one event. The run ends at the first finish or before the pool runs short; anything
-  done to the replica from outside while it runs (a turn routed to it, a session it holds ended) cuts the run at
-  the step in progress, which completes first, exactly as in the step-by-step path. ``fast_forward=False`` is
-  that reference path.
+* Fast-forward: when the executor can price a run of steps at once (``execute_run``, the simulator's cost
+  model), a replica whose coming steps only advance its unchanged running set (decode rows and prefill chunks,
+  ``Scheduler.plan_run``) goes through the whole run in one event. The run ends at the first finish or completed
+  prompt, or before the pool runs short; anything done to the replica from outside while it runs (a turn routed to
+  it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
+  step-by-step path. ``fast_forward=False`` is that reference path.
 * ``slo_monitor`` (:class:`tangram.harness.slo.SLOMonitor`): the replay stops as soon as the SLO is certain to be
   missed; the requests left are listed as rejected "stopped early: ..." (so the run does not meet the SLO).
 """
@@ -52,7 +52,7 @@ class ReplicaTrace:
     steps: int = 0
     busy_s: float = 0.0
     prefill_step_s: float = 0.0
-    runs: int = 0  # fast-forwarded runs of decode steps (their steps are counted in ``steps``)
+    runs: int = 0  # fast-forwarded runs of steps (their steps are counted in ``steps``)
     run_steps: int = 0
 
 
@@ -77,7 +77,7 @@ class _Replica:
         self.trace = ReplicaTrace()
         self.proc: simpy.Process | None = None
         self.in_run = False  # inside a fast-forwarded run that an outside change must cut
-        self.ff = hasattr(executor, "execute_run") and hasattr(sched, "decode_run")
+        self.ff = hasattr(executor, "execute_run") and hasattr(sched, "plan_run")
 
 
 class Cluster:
@@ -195,7 +195,7 @@ class Cluster:
                 rep.wake = None
                 continue
             if ff:
-                run = sched.decode_run()
+                run = sched.plan_run()
                 if run is not None:
                     yield from self._fast_forward(rep, run)
                     if self.monitor is not None and self.monitor.check(env.now):
@@ -257,6 +257,7 @@ class Cluster:
         tr.runs += 1
         tr.run_steps += j
         tr.busy_s += float(d[:j].sum())
+        tr.prefill_step_s += float(d[:j][run.num_prefill[:j] > 0].sum())
         bd = tr.breakdown
         for k, v in res.breakdown.items():
             bd[k] = bd.get(k, 0.0) + float(v[:j].sum())
