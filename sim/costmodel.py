@@ -282,8 +282,9 @@ class CostModel:
                 br["runtime_plan"] = plan_s
         if kp.any():
             att, comp = np.zeros(k), np.zeros(k)
-            for j in np.flatnonzero(kp) + 1:  # a few chunk steps per run: the per-step function, unchanged
-                att[j - 1], comp[j - 1] = self._prefill_attention(run.plan(int(j)))
+            rows = self._prefill_rows(run.chunk_tokens, run.chunk_before, run.chunk_keep, run.retention)
+            for j in np.flatnonzero(kp) + 1:  # each step's chunks summed as the per-step path sums them
+                att[j - 1], comp[j - 1] = self._prefill_sum(rows, run.chunks_of(int(j)))
             br["prefill_attention"] = att
             if self.compress:
                 br["compression"] = comp
@@ -470,27 +471,47 @@ class CostModel:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_attention(self, plan: StepPlan) -> tuple[float, float]:
+        rows = self._prefill_rows(plan.prefill_tokens, plan.prefill_head_lens, plan.prefill_keep, plan.retention)
+        return self._prefill_sum(rows, slice(None))
+
+    def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:
+        """Per-chunk terms of prefill attention and compression (summed per step by :meth:`_prefill_sum`); a run
+        of steps evaluates the table interpolant once for all its chunks."""
         m, p = self.model, self.params
         L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
-        c = plan.prefill_tokens.astype(np.float64)
-        cached = plan.prefill_head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
-        comp = 0.0
+        c = tokens.astype(np.float64)
+        cached = head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
+        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1)}
         if self._prefill is not None:
             v = self._prefill(c, cached / L)
-            att = float(v["attention_ms"].sum()) * L
+            out["att"] = v["attention_ms"]
             if self.compress and "score_ms" in v:
-                sel = "select_dynamic_ms" if plan.retention == "global" and "select_dynamic_ms" in v else "select_ms"
-                comp = float(sum(v[k].sum() for k in ("score_ms", sel, "scatter_ms") if k in v)) * L
+                sel = "select_dynamic_ms" if retention == "global" and "select_dynamic_ms" in v else "select_ms"
+                out["comp"] = [v[k] for k in ("score_ms", sel, "scatter_ms") if k in v]
         else:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             flops = 4.0 * d * self.gq * c * (cached + L * H * c / 2)
             byts = cached * self.tok_head_bytes + 4.0 * L * H * c * self.tok_head_bytes  # cached KV + q/k/v/o
-            att = float(np.maximum(flops / peak, byts / bw).sum()) + L * c.size * p.kernel_launch_s
+            out["roof"] = np.maximum(flops / peak, byts / bw)
+        return out
+
+    def _prefill_sum(self, rows: dict, sl: slice) -> tuple[float, float]:
+        """Prefill attention and compression seconds of the chunks ``rows[sl]`` (one step's)."""
+        m, p = self.model, self.params
+        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        c = rows["c"][sl]
+        comp = 0.0
+        if "att" in rows:
+            att = float(rows["att"][sl].sum()) * L
+            if "comp" in rows:
+                comp = float(sum(x[sl].sum() for x in rows["comp"])) * L
+        else:
+            att = float(rows["roof"][sl].sum()) + L * c.size * p.kernel_launch_s
         if self.compress and comp == 0.0:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             w = np.minimum(p.score_window, c)
             score_flops = 4.0 * d * self.gq * w * c * L * H  # window queries x new keys, QK^T and pooling/sum
-            kept = plan.prefill_keep.reshape(c.size, -1).sum(axis=1)
+            kept = rows["kept"][sl]
             sel_bytes = 2.0 * 4 * L * H * c  # fp32 scores written and read by top-k
             scatter_bytes = 2.0 * kept * self.tok_head_bytes  # kept K/V read from the chunk and written to pages
             comp = float((np.maximum(score_flops / peak, sel_bytes / bw) + scatter_bytes / bw).sum()) \
