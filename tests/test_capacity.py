@@ -77,14 +77,15 @@ def test_early_stop_gives_the_full_runs_verdict_and_leaves_passing_runs_alone():
     assert {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
 
 
-def _fake_run(limit_rps: float, base: float, calls: list):
-    """A replay whose TTFT p99 is 1 s below ``limit_rps`` offered and 100 s above it."""
+def _fake_run(limit_rps: float, base: float, calls: list, served_rps: float = 0.0):
+    """A replay whose TTFT p99 is 1 s below ``limit_rps`` offered and 100 s above it; it serves at most
+    ``served_rps`` (the throughput a saturated run reports; 0: none reported)."""
     def run(trace):
         arr = [t.arrival_s for t in trace.turns if t.turn == 0]
         rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
         calls.append(rate)
         p99 = 1.0 if rate <= limit_rps else 100.0
-        return {"ttft_p99_s": p99, "completed": 10, "rejected_reasons": {}}
+        return {"ttft_p99_s": p99, "completed": 10, "rejected_reasons": {}, "throughput_rps": min(rate, served_rps)}
     return run
 
 
@@ -92,12 +93,14 @@ def _line_trace(n=20, gap=1.0):
     return Trace([Turn(f"s{i}:0", f"s{i}", 0, i * gap, 0.0, 100, 10) for i in range(n)])
 
 
-@pytest.mark.parametrize("start", [0.01, 1.0, 37.0])
-def test_bracket_contains_the_limit_and_is_tight(start):
+@pytest.mark.parametrize("start,served", [(0.01, 0.0), (1.0, 0.0), (37.0, 0.0), (1.0, 9.5), (1.0, 0.2)])
+def test_bracket_contains_the_limit_and_is_tight(start, served):
+    """Whatever the first guess (the burst's served rate, else ``start``), the bracket holds the limit."""
     tr = _line_trace()
     base = 20 / 19
     calls = []
-    cap = capacity_search(tr, _fake_run(7.3, base, calls), {"ttft_p99": 10.0}, start=start, iters=12)
+    cap = capacity_search(tr, _fake_run(7.3, base, calls, served), {"ttft_p99": 10.0}, start=start, iters=12)
+    assert calls[0] > 1e6  # the burst first
     lo, hi = cap["bracket_rps"]
     assert cap["saturated"] and lo <= 7.3 < hi and hi / lo <= 1.08 + 1e-9
     assert cap["max_rate_rps"] == pytest.approx(lo)
@@ -107,10 +110,10 @@ def test_bracket_contains_the_limit_and_is_tight(start):
 
 def test_trace_too_small_to_saturate_is_said_so():
     calls = []
-    cap = capacity_search(_line_trace(), _fake_run(float("inf"), 1.0, calls), {"ttft_p99": 10.0})
+    cap = capacity_search(_line_trace(), _fake_run(float("inf"), 1.0, calls, 3.0), {"ttft_p99": 10.0})
     assert cap["saturated"] is False and cap["max_rate_rps"] is None
-    assert "too small to saturate" in cap["note"] and cap["lower_bound_rps"] > 0
-    assert len(calls) == 2  # the first guess and the burst: no 12 doublings
+    assert "too small to saturate" in cap["note"] and cap["lower_bound_rps"] == 3.0
+    assert len(calls) == 1  # the burst alone answers: no doublings
 
 
 def test_slo_missed_at_any_rate_and_a_burst_only_trace_answer():

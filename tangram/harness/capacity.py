@@ -35,17 +35,21 @@ def _probe_row(rate: float, summ: dict, good: bool) -> list:
 
 def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float], *, iters: int = 7,
                     tol: float = 0.08, start: float = 1.0, progress=None) -> dict:
-    """Highest arrival-rate scale meeting the SLO: bracket by doubling/halving from ``start``, then log-bisection.
+    """Highest arrival-rate scale meeting the SLO: the whole trace at once first, then bracket by doubling/halving
+    from a first guess, then log-bisection.
 
-    ``run(scaled_trace)`` replays one load and returns its summary. ``start`` is only a first guess (the CLI
-    passes the saturation throughput over the offered load); the bracket search makes the result independent of
-    it up to the bisection tolerance.
+    ``run(scaled_trace)`` replays one load and returns its summary. The burst probe (every session arriving within
+    :data:`BURST_SPAN_S`) answers two questions: if it meets the SLO the trace is too small to saturate the
+    deployment (no load it can offer finds the limit); if not, the rate it was served at (the saturation
+    throughput, read from a probe that an SLO monitor may have stopped early) is the first guess of the limit.
+    ``start`` (a scale) is the guess when the burst served nothing. The bracket search makes the result
+    independent of the guess up to the bisection tolerance.
 
     Returns ``max_rate_rps`` / ``max_rate_scale`` (the highest load that met the SLO), ``bracket_rps`` (that load
-    and the lowest that missed it: the true limit lies between), ``probes`` (:func:`_probe_row`, by rate) and
-    ``saturated``. A trace too small to saturate the deployment (its sessions all arriving at once still meet the
-    SLO) has no limit to find: ``saturated`` is False, ``max_rate_rps`` None and ``lower_bound_rps`` the highest
-    finite load tested. ``note`` says why when there is no plain answer.
+    and the lowest that missed it: the true limit lies between), ``probes`` (:func:`_probe_row`, by rate; the
+    burst has rate None) and ``saturated``. A trace too small to saturate has ``saturated`` False,
+    ``max_rate_rps`` None and ``lower_bound_rps`` the rate the burst was served at within the SLO. ``note`` says
+    why when there is no plain answer.
     """
     arr = [t.arrival_s for t in trace.turns if t.turn == 0]
     span = max(arr) - min(arr)
@@ -68,43 +72,40 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
             return cache[scale]
         summ = run(trace.scaled(scale))
         good = meets_slo(summ, slo)
-        probes.append(_probe_row(base * scale, summ, good))
+        probes.append(_probe_row(base * scale if scale != burst else None, summ, good))
         cache[scale] = good
         if progress:
             progress(1)
+        if scale == burst:
+            served["rps"] = summ.get("throughput_rps") or 0.0
         return good
 
     def result(lo, hi, **kw) -> dict:
         out = {"max_rate_rps": base * lo if lo is not None else None,
                "max_rate_scale": lo, "bracket_rps": [base * lo if lo is not None else 0.0,
-                                                     base * hi if hi is not None else None],
-               "probes": sorted(probes, key=lambda p: (p[0] is None, p[0] or 0.0)), "saturated": True, "offered_rps": base}
+                                                     base * hi if hi is not None and hi != burst else None],
+               "probes": sorted(probes, key=lambda p: (p[0] is None, p[0] or 0.0)), "saturated": True,
+               "offered_rps": base}
         out.update(kw)
         return out
 
-    lo = hi = None
-    s = float(start) if start > 0 else 1.0
-    if ok(s):
-        lo = s
-        if ok(burst):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
-            probes[-1][0] = None  # a burst has no finite offered rate
-            return result(None, None, saturated=False, lower_bound_rps=base * lo, max_rate_scale=None,
-                          bracket_rps=[base * lo, None],
-                          note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once "
-                               f"meet the SLO, so the capacity is above any rate this trace offers (a longer "
-                               f"trace finds it)")
-        probes[-1][0] = None
-        hi = burst
-    else:
-        hi = s
-    for _ in range(12):  # double (or halve) until the SLO is met at one scale and missed at another
-        if lo is not None and hi is not None and hi <= 2 * lo:
-            break
-        s = lo * 2.0 if lo is not None else hi / 2.0
+    served = {"rps": 0.0}
+    if ok(burst):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
+        return result(None, None, saturated=False, lower_bound_rps=served["rps"] or None, max_rate_scale=None,
+                      bracket_rps=[served["rps"] or None, None],
+                      note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once meet the "
+                           f"SLO (served at {served['rps']:.4g} requests/s), so the capacity is above any rate this "
+                           f"trace offers (a longer trace finds it)")
+    lo, hi = None, burst
+    s = served["rps"] / base if served["rps"] > 0 else (float(start) if start > 0 else 1.0)
+    for _ in range(16):  # double (or halve) until the SLO is met at one scale and missed at another
         if ok(s):
             lo = s
         else:
-            hi = s
+            hi = min(hi, s)
+        if lo is not None and hi <= 2 * lo:
+            break
+        s = lo * 2.0 if lo is not None else s / 2.0
     if lo is None:
         return result(None, hi, max_rate_rps=0.0, max_rate_scale=0.0, bracket_rps=[0.0, base * hi],
                       note=f"SLO missed even at {base * hi:.3g} requests/s ({hi:g} x the trace's rate)")
