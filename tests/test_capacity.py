@@ -194,3 +194,19 @@ def test_cli_jobs_gives_the_same_files(tmp_path):
     b = _cli(tmp_path, str(p), "--mode", "tangram,full", "--capacity", "--slo", "ttft_p99=2s", "--jobs", "2",
              name="b")
     assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+
+
+def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
+    """A capacity trial on a three-request trace with a loose SLO: the tuner records saturated=False and the load
+    as the burst's served rate (a lower bound), not a capped rate from doubling."""
+    from tangram.budgets import synthetic_profile
+    from tangram.tuning.objective import Evaluator
+    from tangram.tuning.space import SearchSpace, paper_default_params
+
+    tr = generate(3, "short", seed=1, rate=0.5, turns="uniform:1:1", output_tokens="uniform:8:16")
+    space = SearchSpace.for_model(LLAMA, fixed={"mode": "tangram"})
+    ev = Evaluator(LLAMA, H100, space, synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0),
+                   tr, parse_slo("ttft_p99=60s"), overflow_samples=8)
+    out = ev(paper_default_params())
+    assert out["saturated"] is False and out["load_rps"] > 0 and "too small" in out["capacity_note"]
+    assert out["sims"] == 1
