@@ -611,16 +611,18 @@ class Scheduler:
         n = int(run._bounds[j])  # chunks of steps 1..j
         last_prefill = []
         if n:
-            for i in range(n):  # a handful of chunks: each request's last one in the run sets its row
-                rid, row, c = int(run.chunk_ids[i]), int(run.chunk_rows[i]), int(run.chunk_tokens[i])
-                req = self.requests[rid]
-                upper = run.chunk_before[i] + run.chunk_keep[i]
-                self.head_lens[row] = upper
-                self.bt.lens[row] = self.layout.table_lens(upper[None])[0]
-                self.ctx[row] += c
-                req.prefilled += c
-                if run.chunk_last[i]:
-                    last_prefill.append(req)
+            ids = run.chunk_ids[:n]
+            uniq, first_rev = np.unique(ids[::-1], return_index=True)
+            last = n - 1 - first_rev  # each request's last chunk among the first n: it sets the row
+            rows = run.chunk_rows[last]
+            upper = run.chunk_before[last] + run.chunk_keep[last]
+            self.head_lens[rows] = upper
+            self.bt.lens[rows] = self.layout.table_lens(upper)
+            tok = np.bincount(np.searchsorted(uniq, ids), weights=run.chunk_tokens[:n], minlength=uniq.size)
+            self.ctx[rows] += tok.astype(np.int64)
+            for rid, c in zip(uniq.tolist(), tok.astype(np.int64).tolist()):
+                self.requests[rid].prefilled += c
+            last_prefill = [self.requests[int(r)] for r in run.chunk_ids[:n][run.chunk_last[:n]]]
             self.live_tokens += int(run.chunk_keep[:n].sum())
         self._step += j
         st = self.stats
