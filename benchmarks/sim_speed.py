@@ -1,102 +1,193 @@
-"""Simulator speed: a 10,000-request multi-turn trace in tangram mode (target: < 60 s on the 2-core dev box).
+"""Simulator speed on the Mooncake conversation trace's statistics: one run per mode, the capacity search, and the
+fast-forward vs step-by-step identity.
 
-Run: ``python benchmarks/sim_speed.py [--requests 10000] [--mode tangram] [--profile]``.
-The last line of output is one JSON object (requests/s and scheduler steps/s simulated).
+The trace: ``generate_mooncake(12000, seed=0)`` (12,000 requests over 3,537 s, the public FAST'25 conversation
+trace's statistics) imported with ``import_mooncake`` (~8,200 sessions, inputs mean 12K tokens, outputs mean 343,
+3.39 req/s offered), served by one H100 with Llama-3.1-8B (presets), bundled cost tables. Every timing runs the
+``tangram-sim`` command line in a fresh process (imports, trace loading and output files included) and reports
+its wall time and CPU time (user + system of the child) side by side with the machine's load average, since the
+2-core dev machine is shared: compare ratios measured in one run, never numbers across runs.
+
+Run: ``python benchmarks/sim_speed.py [--what single,capacity,identity] [--baseline-python OLD/.venv/bin/python]``
+(see reports/traces/README.md for the acceptance commands). The last line of output is one JSON object.
 """
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
+import os
+import resource
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-
-def make_trace(n_requests: int, seed: int, category: str = "mixed", rate: float = 0.5):
-    """Seeded SCBench-like sessions (the generator's default mix), trimmed to exactly n_requests turns."""
-    from tangram.traces import Trace, generate
-
-    n_sessions = max(1, n_requests // 4 + 1)  # turns ~ uniform 2..6: 4 per session on average
-    tr = generate(n_sessions, category, seed=seed, rate=rate)
-    sessions = tr.sessions()
-    keep, n = [], 0
-    for sid in sorted(sessions, key=lambda s: sessions[s][0].arrival_s):
-        ts = sessions[sid]
-        if n + len(ts) > n_requests:
-            ts = ts[: n_requests - n]
-        keep.extend(ts)
-        n += len(ts)
-        if n >= n_requests:
-            break
-    return Trace(keep, f"{tr.source} trimmed to {n_requests} requests")
+MODES = ("full", "uniform", "dynamic", "br", "br+rp", "tangram")
 
 
-def _patch_pool_free() -> None:
-    """The proposed PagePool.free: duplicate ids found with a stamp array (O(n)) instead of np.unique (sort/hash)."""
-    from tangram.paging import PagePool
+def make_trace(path: Path, n_requests: int = 12_000, seed: int = 0) -> Path:
+    """The Mooncake-format trace (seeded generator) imported to our format; cached at ``path``."""
+    if path.exists():
+        return path
+    from tangram.traces import generate_mooncake, import_mooncake, save_trace, write_mooncake
 
-    def free(self, ids):
-        ids = np.asarray(ids, dtype=np.int32).ravel()
-        if ids.size == 0:
-            return
-        stamp = getattr(self, "_stamp", None)
-        if stamp is None:
-            stamp = self._stamp = np.zeros(self.num_pages, dtype=np.int64)
-        pos = np.arange(ids.size, dtype=np.int64)
-        stamp[ids] = pos
-        if not self._in_use[ids].all() or not np.array_equal(stamp[ids], pos):
-            raise AssertionError("double free or free of a page that was never allocated")
-        self._in_use[ids] = False
-        self._free[self._n_free:self._n_free + ids.size] = ids
-        self._n_free += ids.size
-        self.total_frees += ids.size
+    raw = path.with_suffix(".raw.jsonl")
+    write_mooncake(generate_mooncake(n_requests, seed=seed).records, raw)
+    save_trace(import_mooncake(raw), path)
+    return path
 
-    PagePool.free = free
+
+def run_cli(python: str, args: list[str], *, cwd: str | None = None, timeout: float | None = None) -> dict:
+    """Time one ``tangram-sim`` process: wall, CPU (user + sys of the child), load average before and after."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([python, "-m", "tangram.sim.cli", *args], capture_output=True, text=True, cwd=cwd,
+                           timeout=timeout)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired:
+        rc, out, err = None, "", "timed out"
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if rc not in (0, None):
+        raise SystemExit(f"tangram-sim failed ({rc}): {err.strip().splitlines()[-1] if err.strip() else out}")
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_before": round(load0, 2),
+            "load_after": round(os.getloadavg()[0], 2), "timed_out": rc is None}
+
+
+def _metrics(out: Path) -> dict:
+    return json.loads((out / "metrics.json").read_text())
+
+
+def single(python: str, trace: Path, mode: str, work: Path, extra=(), repeat: int = 1, timeout=None) -> dict:
+    runs = []
+    for i in range(repeat):
+        out = work / f"single_{mode}_{i}"
+        runs.append(run_cli(python, [str(trace), "--mode", mode, "--no-plots", "--out", str(out), *extra],
+                            timeout=timeout))
+    res = {"mode": mode, "runs": runs, "median_wall_s": float(np.median([r["wall_s"] for r in runs])),
+           "median_cpu_s": float(np.median([r["cpu_s"] for r in runs]))}
+    if not runs[-1]["timed_out"]:
+        m = _metrics(out)[mode]
+        res.update(steps=m["steps"], completed=m["completed"], ttft_p99_s=m["ttft_p99_s"])
+    return res
+
+
+def identity(trace_path: Path, sessions: int, modes) -> dict:
+    """Fast-forward vs step-by-step on the first ``sessions`` sessions: counts must be identical, times within
+    0.1 % (in-process, the same functions the CLI calls)."""
+    from tangram.config import EngineConfig, get_gpu, get_model
+    from tangram.sim.run import simulate
+    from tangram.spec import DeploymentSpec, default_profile
+    from tangram.traces import load_trace
+
+    tr = load_trace(trace_path)
+    if sessions:
+        tr = tr.head(sessions)
+    model, gpu = get_model("llama-3.1-8b"), get_gpu("h100-80gb")
+    out = {"sessions": tr.num_sessions, "requests": len(tr.turns), "modes": {}}
+    for mode in modes:
+        eng = EngineConfig(mode=mode)
+        spec = DeploymentSpec(model, gpu, eng, default_profile(model, eng.rho, eng.alpha))
+        t0 = time.process_time()
+        a, ra = simulate(tr, spec, mode, fast_forward=True, record_kv=True)
+        t1 = time.process_time()
+        b, rb = simulate(tr, spec, mode, fast_forward=False, record_kv=True)
+        t2 = time.process_time()
+        counts = ("steps", "preemptions", "session_evictions", "pages_reclaimed", "completed", "rejected",
+                  "peak_kv_bytes")
+        same = all(a[k] == b[k] for k in counts) and all(
+            sa.stats.pages_allocated == sb.stats.pages_allocated and sa.stats.pages_freed == sb.stats.pages_freed
+            for sa, sb in zip(ra.schedulers, rb.schedulers))
+        rel = 0.0
+        for p, q in zip(ra.records, rb.records):
+            same &= (p.status, p.replica, p.preemptions) == (q.status, q.replica, q.preemptions)
+            for f in ("first_token_s", "finish_s"):
+                x, y = getattr(p, f), getattr(q, f)
+                if x is not None and y is not None:
+                    rel = max(rel, abs(x - y) / max(abs(y), 1e-9))
+        for k in ("kv_utilization", "fragmentation", "busy_s"):
+            rel = max(rel, abs(a[k] - b[k]) / max(abs(b[k]), 1e-12))
+        same &= all(x.reserved == y.reserved and x.live == y.live for x, y in zip(ra.replicas, rb.replicas))
+        out["modes"][mode] = {"counts_identical": bool(same), "max_rel_time_diff": rel, "steps": a["steps"],
+                              "runs": sum(r.runs for r in ra.replicas),
+                              "steps_in_runs": sum(r.run_steps for r in ra.replicas),
+                              "cpu_fast_forward_s": round(t1 - t0, 2), "cpu_step_by_step_s": round(t2 - t1, 2)}
+    out["all_identical"] = all(v["counts_identical"] and v["max_rel_time_diff"] <= 1e-3 for v in out["modes"].values())
+    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=10_000)
-    ap.add_argument("--mode", default="tangram")
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--gpu", default="h100-80gb")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--category", default="mixed", help="generator category: short, mid, long or mixed")
-    ap.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
-    ap.add_argument("--profile", action="store_true", help="print the top of a cProfile to stderr")
-    ap.add_argument("--proposed-pool-free", action="store_true",
-                    help="run with the O(n) double-free check proposed to the lead for tangram.paging.PagePool.free")
+    ap.add_argument("--what", default="single,capacity,identity",
+                    help="comma list of: single (one run of --single-modes), capacity (--capacity, all six modes), "
+                         "identity (fast-forward vs step-by-step on --identity-sessions sessions)")
+    ap.add_argument("--trace", help="trace to use (default: generate and import the Mooncake-format trace)")
+    ap.add_argument("--work", help="folder for the trace and outputs (default: a temporary folder)")
+    ap.add_argument("--requests", type=int, default=12_000)
+    ap.add_argument("--single-modes", default="tangram,full")
+    ap.add_argument("--repeat", type=int, default=1, help="repeat each single run (median reported)")
+    ap.add_argument("--jobs", type=int, default=2, help="--jobs of the capacity command")
+    ap.add_argument("--identity-sessions", type=int, default=1500,
+                    help="sessions of the trace for the identity check (0: all; the step-by-step path is slow)")
+    ap.add_argument("--identity-modes", default="tangram,full,dynamic")
+    ap.add_argument("--baseline-python", help="python of another checkout (e.g. the merge base) to time the same "
+                                              "commands with, side by side")
+    ap.add_argument("--baseline-sessions", type=int, default=0,
+                    help="time the baseline on this many first sessions only (0: all), when it is too slow")
+    ap.add_argument("--baseline-timeout", type=float, default=3600)
     a = ap.parse_args(argv)
+    what = {w.strip() for w in a.what.split(",") if w.strip()}
+    work = Path(a.work or tempfile.mkdtemp(prefix="sim_speed_"))
+    work.mkdir(parents=True, exist_ok=True)
+    trace = Path(a.trace) if a.trace else make_trace(work / f"mooncake_{a.requests}.jsonl", a.requests)
+    from tangram.traces import load_trace
 
-    from tangram.config import EngineConfig, get_gpu, get_model
-    from tangram.sim.run import simulate
-    from tangram.spec import DeploymentSpec, default_profile
+    tr = load_trace(trace)
+    from tangram.harness import offered_rps
 
-    if a.proposed_pool_free:
-        _patch_pool_free()
-    model, gpu = get_model(a.model), get_gpu(a.gpu)
-    engine = EngineConfig(mode=a.mode)
-    spec = DeploymentSpec(model, gpu, engine, default_profile(model, engine.rho, engine.alpha), seed=a.seed)
-    trace = make_trace(a.requests, a.seed, a.category, a.rate)
-    prof = cProfile.Profile() if a.profile else None
-    t0 = time.perf_counter()
-    if prof:
-        prof.enable()
-    summ, res = simulate(trace, spec)
-    if prof:
-        prof.disable()
-    wall = time.perf_counter() - t0
-    if prof:
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-    out = {"requests": len(trace.turns), "completed": summ["completed"], "rejected": summ["rejected"],
-           "steps": res.steps, "simulated_s": round(res.end_s, 3), "wall_s": round(wall, 3),
-           "requests_per_s": round(len(trace.turns) / wall, 1), "steps_per_s": round(res.steps / wall, 1),
-           "mode": a.mode, "model": model.name, "gpu": gpu.name, "proposed_pool_free": a.proposed_pool_free,
-           "category": a.category, "session_rate": a.rate}
-    print(json.dumps(out))
+    res: dict = {"trace": str(trace), "requests": len(tr.turns), "sessions": tr.num_sessions,
+                 "offered_rps": round(offered_rps(tr), 4), "model": "llama-3.1-8b", "gpu": "h100-80gb",
+                 "cpus": os.cpu_count(), "python": sys.executable}
+    me = sys.executable
+    if "single" in what:
+        res["single"] = {m: single(me, trace, m, work, repeat=a.repeat) for m in a.single_modes.split(",")}
+        print(json.dumps({"single": res["single"]}), flush=True)
+        if a.baseline_python:
+            btrace = trace
+            if a.baseline_sessions:
+                from tangram.traces import save_trace
+
+                btrace = work / f"prefix_{a.baseline_sessions}.jsonl"
+                save_trace(tr.head(a.baseline_sessions), btrace)
+                res["single_prefix"] = {m: single(me, btrace, m, work / "prefix") for m in a.single_modes.split(",")}
+            res["baseline_single"] = {m: single(a.baseline_python, btrace, m, work / "base",
+                                                timeout=a.baseline_timeout) for m in a.single_modes.split(",")}
+            ref = res.get("single_prefix", res["single"])
+            res["speedup_single_cpu"] = {m: round(res["baseline_single"][m]["median_cpu_s"] /
+                                                  max(ref[m]["median_cpu_s"], 1e-9), 2)
+                                         for m in a.single_modes.split(",")}
+            print(json.dumps({"baseline_single": res["baseline_single"]}), flush=True)
+    if "capacity" in what:
+        out = work / "capacity"
+        r = run_cli(me, [str(trace), "--capacity", "--jobs", str(a.jobs), "--no-plots", "--out", str(out)])
+        m = _metrics(out)
+        r["modes"] = {k: {"max_rate_rps": v.get("max_rate_rps"), "bracket_rps": v.get("capacity_bracket_rps"),
+                          "saturated": v.get("capacity_saturated"), "probes": len(v.get("capacity_probes", [])),
+                          "probes_stopped_early": sum(1 for p in v.get("capacity_probes", []) if p[3])}
+                      for k, v in m.items()}
+        res["capacity"] = r
+        print(json.dumps({"capacity": r}), flush=True)
+    if "identity" in what:
+        res["identity"] = identity(trace, a.identity_sessions, a.identity_modes.split(","))
+        print(json.dumps({"identity": res["identity"]}), flush=True)
+    res["load_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

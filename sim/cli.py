@@ -10,7 +10,8 @@ import math
 import sys
 
 from tangram.config import MODES
-from tangram.errors import cli_errors, parse_cli
+from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.harness.slo import DEFAULT_SLO
 
 DEFAULT_OUT = "tangram-sim-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -52,11 +53,68 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
                    help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
                         "issue/sync overhead (engine_overhead.json of the tables folder)")
-    p.add_argument("--slo", help="e.g. 'ttft_p99=2s,tpot_p99=0.1s'")
+    p.add_argument("--slo", help=f"e.g. 'ttft_p99=2s,tpot_p99=0.1s' (--capacity without it: '{DEFAULT_SLO}')")
     p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting --slo")
-    p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed)")
+    p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed, "
+                                                     "found by simulating the replicated cluster)")
+    p.add_argument("--jobs", type=int, default=1, help="modes simulated in parallel processes (default 1)")
+    p.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
+                   help="step every decode step one by one (the reference path; same results, slower)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return p
+
+
+def _mode_run(trace, spec, mode: str, fast_forward: bool, progress=None):
+    """One mode at the trace's load: its summary and the records/KV samples the report needs."""
+    from .run import simulate
+
+    summ, res = simulate(trace, spec, mode, progress=progress, fast_forward=fast_forward)
+    res.schedulers = [_LayoutOnly(sc.layout) for sc in res.schedulers]  # the report needs only the layout
+    return summ, res
+
+
+class _LayoutOnly:
+    """What the report reads of a replica's scheduler (picklable, unlike the scheduler's block tables)."""
+
+    def __init__(self, layout):
+        self.layout = layout
+
+
+def _mode_capacity(trace, spec, mode: str, slo: dict, target, start: float, fast_forward: bool, progress=None) -> dict:
+    """The capacity search of one mode, then the replicas a target rate needs (simulated clusters)."""
+    from .run import capacity_search, replicas_needed
+
+    cap = capacity_search(trace, spec, mode, slo, start=start, progress=progress, fast_forward=fast_forward)
+    if target is not None:
+        per_replica = (cap["max_rate_rps"] or cap.get("lower_bound_rps") or 0.0) / spec.replicas
+        first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
+        cap["replicas"] = replicas_needed(trace, spec, mode, slo, target, first, progress=progress,
+                                          fast_forward=fast_forward)
+    return cap
+
+
+def _start_scale(summ: dict, offered) -> float:
+    """First guess of the capacity search: the load the mode served saturated by the trace as given (2^k/4)."""
+    if not offered or not summ["throughput_rps"]:
+        return 1.0
+    sat = summ["throughput_rps"] / offered
+    return min(1.0, 2.0 ** (round(math.log2(max(sat, 1e-3)) * 4) / 4))
+
+
+def _pool_map(fn, calls: list[tuple], jobs: int, bar=None) -> list:
+    """``fn(*args)`` for each call, in ``jobs`` worker processes when > 1 (results in call order)."""
+    if jobs <= 1 or len(calls) <= 1:
+        return [fn(*c) for c in calls]
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=min(jobs, len(calls))) as ex:
+        futs = [ex.submit(fn, *c) for c in calls]
+        out = []
+        for f in futs:
+            out.append(f.result())
+            if bar is not None:
+                bar.update(1)
+        return out
 
 
 def run(args) -> dict:
@@ -68,42 +126,60 @@ def run(args) -> dict:
     from tangram.spec import resolve
 
     from .report import write_report
-    from .run import capacity_search, simulate
 
     r = resolve(args, DEFAULT_OUT)
     spec, trace, modes = r["spec"], r["trace"], r["modes"]
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    ff = args.fast_forward
+    spans = {t.arrival_s for t in trace.turns if t.turn == 0}
+    offered = offered_rps(trace) if len(spans) > 1 else None
     total = len(trace.turns) * len(modes)
-    bar = tqdm(total=total, desc="tangram-sim", unit="req", disable=None if total >= 1000 else True,
-               file=sys.stderr, leave=False)
     metrics, results, frames = {}, {}, []
-    for mode in modes:
-        summ, res = simulate(trace, spec, mode, progress=bar.update)
+    if args.jobs > 1 and len(modes) > 1:
+        bar = tqdm(total=len(modes), desc="tangram-sim", unit="mode", disable=None, file=sys.stderr, leave=False)
+        outs = _pool_map(_mode_run, [(trace, spec, m, ff) for m in modes], args.jobs, bar)
+    else:
+        bar = tqdm(total=total, desc="tangram-sim", unit="req", disable=None if total >= 1000 else True,
+                   file=sys.stderr, leave=False)
+        outs = [_mode_run(trace, spec, m, ff, bar.update) for m in modes]
+    bar.close()
+    for mode, (summ, res) in zip(modes, outs):
         metrics[mode] = summ
         results[mode] = res
         frames.append(records_frame(res.records, mode=mode))
-    bar.close()
     curves = {}
     if args.capacity:
-        cbar = tqdm(total=len(modes) * 10, desc="capacity", unit="sim", disable=None, file=sys.stderr, leave=False)
-        for mode in modes:
-            # first guess: the load this mode served when saturated by the trace as given (rounded to 2^k/4)
-            sat = metrics[mode]["throughput_rps"] / offered_rps(trace) if metrics[mode]["throughput_rps"] else 1.0
-            start = 2.0 ** (round(math.log2(max(sat, 1e-3)) * 4) / 4) if sat > 0 else 1.0
-            cap = capacity_search(trace, spec, mode, r["slo"], start=min(1.0, start), progress=cbar.update)
+        slo, target = r["slo"], r["target_rate"]
+        if r.get("slo_default"):
+            print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
+        calls = [(trace, spec, m, slo, target, _start_scale(metrics[m], offered), ff) for m in modes]
+        if args.jobs > 1 and len(modes) > 1:
+            cbar = tqdm(total=len(modes), desc="capacity", unit="mode", disable=None, file=sys.stderr, leave=False)
+            caps = _pool_map(_mode_capacity, calls, args.jobs, cbar)
+        else:
+            cbar = tqdm(desc="capacity", unit="sim", disable=None, file=sys.stderr, leave=False)
+            caps = [_mode_capacity(*c, progress=cbar.update) for c in calls]
+        cbar.close()
+        for mode, cap in zip(modes, caps):
             m = metrics[mode]
             m["max_rate_rps"] = cap["max_rate_rps"]
             m["max_rate_scale"] = cap["max_rate_scale"]
-            if cap.get("bound"):
-                m["max_rate_bound"] = cap["bound"]
-            m["capacity_probes"] = [list(p) for p in cap["probes"]]
-            curves[mode] = cap["probes"]
-            if r["target_rate"] is not None:
-                per_replica = cap["max_rate_rps"] / spec.replicas
-                m["replicas_needed"] = math.ceil(r["target_rate"] / per_replica - 1e-9) if per_replica > 0 else None
-        cbar.close()
+            m["capacity_bracket_rps"] = cap["bracket_rps"]
+            m["capacity_saturated"] = cap["saturated"]
+            for k in ("lower_bound_rps", "note"):
+                if cap.get(k) is not None:
+                    m[f"capacity_{k}"] = cap[k]
+            m["capacity_probes"] = cap["probes"]
+            curves[mode] = [p for p in cap["probes"] if p[0] is not None]
+            if "replicas" in cap:
+                rp = cap["replicas"]
+                m["replicas_needed"] = rp["replicas_needed"]
+                m["replicas_probes"] = rp["probes"]
+                if rp.get("note"):
+                    m["replicas_note"] = rp["note"]
     common = {"trace": str(r["trace_path"]), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
-              "router": spec.router, "profile": r["profile_label"], "offered_rps": offered_rps(trace)
-              if len({t.arrival_s for t in trace.turns if t.turn == 0}) > 1 else None,
+              "router": spec.router, "profile": r["profile_label"], "offered_rps": offered,
               "slo": r["slo"], "target_rate": r["target_rate"]}
     for m in metrics.values():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
@@ -115,8 +191,20 @@ def run(args) -> dict:
     write_report(out, metrics, results, curves, common, argv=getattr(args, "_argv", None),
                  plots=not args.no_plots)
     _print_table(metrics, args.capacity)
+    for mode, m in metrics.items():
+        if m.get("capacity_note"):
+            print(f"{mode}: {m['capacity_note']}")
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
+
+
+def capacity_cell(m: dict) -> str:
+    """The table's max_rate_rps: the rate, or why there is none (a trace too small to saturate)."""
+    if not m.get("capacity_saturated", True):
+        lb = m.get("capacity_lower_bound_rps")
+        return "unsaturated" + (f" (> {lb:.4g})" if lb else "")
+    v = m.get("max_rate_rps")
+    return "n/a" if v is None else f"{v:.4g}"
 
 
 def _print_table(metrics: dict, capacity: bool) -> None:
@@ -127,6 +215,8 @@ def _print_table(metrics: dict, capacity: bool) -> None:
         cols += ["prefix_hit_rate_requests", "prefix_hit_rate_tokens", "prefix_tokens_saved",
                  "prefix_shared_pages_peak"]
     df = pd.DataFrame({m: {c: v.get(c) for c in cols} for m, v in metrics.items()}).T
+    if capacity:
+        df["max_rate_rps"] = [capacity_cell(v) for v in metrics.values()]
     with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
         print(df.to_string())
 

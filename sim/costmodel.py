@@ -19,7 +19,7 @@ from tangram.budgets import BudgetProfile, drawn_keep
 from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
-from tangram.plan import StepPlan, StepResult
+from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
 
 from . import engine_overhead
@@ -204,6 +204,7 @@ class CostModel:
             self.sources[f"elementwise_{op}"] = "table:elementwise.csv" if f is not None else "roofline: bytes / BW"
         self.sources["sampling"] = self.sources.pop("elementwise_sampling")
         self._dense_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._row_tables: dict[tuple[str, str], np.ndarray] = {}
 
         # -- prefill attention + compression scoring/selection/scatter
         self._prefill = self.tables.prefill_interp(model)
@@ -264,6 +265,83 @@ class CostModel:
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
 
+    # ------------------------------------------------------------------ runs of decode steps (fast-forward)
+    def execute_run(self, run: StepRun) -> RunResult:
+        """Price the ``k`` steps of ``run`` at once: each step's duration and terms equal what :meth:`execute` gives
+        for ``run.plan(j)`` after steps 1..j-1 (the same functions, on arrays over the steps; decode attention with
+        the same rescale cache). Changes nothing; :meth:`commit_run` does."""
+        k, kd = run.k, run.num_decode
+        kp = run.num_prefill
+        br: dict[str, np.ndarray] = {}
+        if kp.any():
+            tokens = kd + np.bincount(run.chunk_step, weights=run.chunk_tokens, minlength=k + 1)[1:].astype(np.int64)
+            logits = kd + np.bincount(run.chunk_step, weights=run.chunk_last, minlength=k + 1)[1:].astype(np.int64)
+            pairs = {}
+            for t, lg in zip(tokens.tolist(), logits.tolist()):
+                if (t, lg) not in pairs:
+                    pairs[(t, lg)] = self._dense(t, lg)
+            ge = np.array([pairs[(t, lg)] for t, lg in zip(tokens.tolist(), logits.tolist())])
+            br["gemm"], br["elementwise"] = ge[:, 0].copy(), ge[:, 1].copy()
+        else:
+            g, e = self._dense(kd, kd)
+            br["gemm"], br["elementwise"] = np.full(k, g), np.full(k, e)
+        caches = []
+        if kd:
+            dec, plan_s, caches = self._decode_run(run)
+            br["decode_attention"] = dec
+            if plan_s is not None and plan_s.any():
+                br["runtime_plan"] = plan_s
+        if kp.any():
+            att, comp = np.zeros(k), np.zeros(k)
+            rows = self._prefill_rows(run.chunk_tokens, run.chunk_before, run.chunk_keep, run.retention)
+            for j in np.flatnonzero(kp) + 1:  # each step's chunks summed as the per-step path sums them
+                att[j - 1], comp[j - 1] = self._prefill_sum(rows, run.chunks_of(int(j)))
+            br["prefill_attention"] = att
+            if self.compress:
+                br["compression"] = comp
+        if self.overhead is not None:
+            terms = kernel_terms(br)
+            br["engine_overhead"] = np.asarray(
+                self.overhead.step_s(terms, self.model.num_layers, kd, kp, self.compress, self.partition == "aot",
+                                     self.engine.decode_graphed(kd, kp)), dtype=np.float64) - sum(terms.values())
+        br["host"] = np.broadcast_to(np.asarray(self._host(run.counters()), dtype=np.float64), (k,))
+        return RunResult(sum(br.values()), br, caches)
+
+    def commit_run(self, result: RunResult, j: int) -> None:
+        """Leave the decode-attention cache as ``j`` single steps would have."""
+        for step, cache in reversed(result.state):
+            if step <= j:
+                self._dec_cache = cache
+                return
+
+    def _decode_run(self, run: StepRun) -> tuple[np.ndarray, np.ndarray | None, list]:
+        """Decode attention of each step of a run: :meth:`_decode_cached`'s rule (rescale while the batch's tokens
+        grew by at most ``decode_refresh`` since the last full pricing, else price it again) over the steps."""
+        k, L = run.k, run.head_lens0.shape[1]
+        totals = run.totals
+        out = np.empty(k)
+        if self.partition == "runtime":  # replanned every step on the host: no cache, one pricing per step
+            plan_s = np.empty(k)
+            for i in range(k):
+                out[i], plan_s[i] = self._decode_attention(run.head_lens0 + (i + 1))
+            return out, plan_s, []
+        c, caches, i = self._dec_cache, [], 0
+        ids = run.decode_ids
+        while i < k:
+            if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
+                m = int(np.searchsorted(totals, c[1] * (1.0 + self.params.decode_refresh), side="right"))
+                if m > i:
+                    fixed = c[3]
+                    out[i:m] = fixed + (c[2] - fixed) * totals[i:m] / max(c[1], 1)
+                    i = m
+                    continue
+            t, _ = self._decode_attention(run.head_lens0 + (i + 1))
+            out[i] = t
+            c = (ids.copy(), int(totals[i]), t, L * self.dec_launch)
+            caches.append((i + 1, c))
+            i += 1
+        return out, None, caches
+
     # ------------------------------------------------------------------ dense layers
     def _dense(self, tokens: int, logit_rows: int) -> tuple[float, float]:
         key = (tokens, logit_rows)
@@ -280,7 +358,7 @@ class CostModel:
             reps = m.num_layers if op != "lm_head" else 1
             f = self._gemm_interp[op]
             if f is not None:
-                t = float(f(rows))
+                t = self._table_time(("gemm", op), f, rows)
             else:
                 n, k = self.gemm_shapes[op]
                 t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
@@ -291,13 +369,25 @@ class CostModel:
         for op, elems in per_tok.items():
             reps = m.num_layers * (2 if op == "rmsnorm" else 1)
             f = self._elem[op]
-            t = float(f(tokens)) if f is not None else tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
+            t = self._table_time(("elem", op), f, tokens) if f is not None else \
+                tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
             e += reps * t
         if logit_rows:  # sampling over the vocabulary, once per step
             f = self._elem["sampling"]
-            e += float(f(logit_rows)) if f is not None else logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
+            e += self._table_time(("elem", "sampling"), f, logit_rows) if f is not None else \
+                logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
         self._dense_cache[key] = (g, e)
         return g, e
+
+    def _table_time(self, key, f, rows: int) -> float:
+        """``f(rows)`` of a table interpolant, read from its values at every size 0..n-1 computed in one call
+        (grown by doubling): prefill steps bring new token counts all the time, and one scipy call per count
+        and operator was a tenth of a simulation."""
+        tab = self._row_tables.get(key)
+        if tab is None or rows >= tab.size:
+            tab = np.asarray(f(np.arange(max(1024, 2 * (rows + 1)), dtype=np.float64)), dtype=np.float64)
+            self._row_tables[key] = tab
+        return float(tab[rows])
 
     # ------------------------------------------------------------------ decode attention
     def split_map(self, batch: int) -> np.ndarray:
@@ -392,27 +482,47 @@ class CostModel:
 
     # ------------------------------------------------------------------ prefill
     def _prefill_attention(self, plan: StepPlan) -> tuple[float, float]:
+        rows = self._prefill_rows(plan.prefill_tokens, plan.prefill_head_lens, plan.prefill_keep, plan.retention)
+        return self._prefill_sum(rows, slice(None))
+
+    def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:
+        """Per-chunk terms of prefill attention and compression (summed per step by :meth:`_prefill_sum`); a run
+        of steps evaluates the table interpolant once for all its chunks."""
         m, p = self.model, self.params
         L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
-        c = plan.prefill_tokens.astype(np.float64)
-        cached = plan.prefill_head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
-        comp = 0.0
+        c = tokens.astype(np.float64)
+        cached = head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
+        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1)}
         if self._prefill is not None:
             v = self._prefill(c, cached / L)
-            att = float(v["attention_ms"].sum()) * L
+            out["att"] = v["attention_ms"]
             if self.compress and "score_ms" in v:
-                sel = "select_dynamic_ms" if plan.retention == "global" and "select_dynamic_ms" in v else "select_ms"
-                comp = float(sum(v[k].sum() for k in ("score_ms", sel, "scatter_ms") if k in v)) * L
+                sel = "select_dynamic_ms" if retention == "global" and "select_dynamic_ms" in v else "select_ms"
+                out["comp"] = [v[k] for k in ("score_ms", sel, "scatter_ms") if k in v]
         else:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             flops = 4.0 * d * self.gq * c * (cached + L * H * c / 2)
             byts = cached * self.tok_head_bytes + 4.0 * L * H * c * self.tok_head_bytes  # cached KV + q/k/v/o
-            att = float(np.maximum(flops / peak, byts / bw).sum()) + L * c.size * p.kernel_launch_s
+            out["roof"] = np.maximum(flops / peak, byts / bw)
+        return out
+
+    def _prefill_sum(self, rows: dict, sl: slice) -> tuple[float, float]:
+        """Prefill attention and compression seconds of the chunks ``rows[sl]`` (one step's)."""
+        m, p = self.model, self.params
+        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        c = rows["c"][sl]
+        comp = 0.0
+        if "att" in rows:
+            att = float(rows["att"][sl].sum()) * L
+            if "comp" in rows:
+                comp = float(sum(x[sl].sum() for x in rows["comp"])) * L
+        else:
+            att = float(rows["roof"][sl].sum()) + L * c.size * p.kernel_launch_s
         if self.compress and comp == 0.0:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             w = np.minimum(p.score_window, c)
             score_flops = 4.0 * d * self.gq * w * c * L * H  # window queries x new keys, QK^T and pooling/sum
-            kept = plan.prefill_keep.reshape(c.size, -1).sum(axis=1)
+            kept = rows["kept"][sl]
             sel_bytes = 2.0 * 4 * L * H * c  # fp32 scores written and read by top-k
             scatter_bytes = 2.0 * kept * self.tok_head_bytes  # kept K/V read from the chunk and written to pages
             comp = float((np.maximum(score_flops / peak, sel_bytes / bw) + scatter_bytes / bw).sum()) \

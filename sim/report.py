@@ -32,6 +32,8 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
                                            "prefix_shared_pages_peak", "prefix_cached_pages_peak",
                                            "prefix_page_copies"])]
     lines += ["Throughput is completed requests over the span from the first arrival to the last finish.", ""]
+    if any("capacity_probes" in m for m in metrics.values()):
+        lines += _capacity_section(metrics, common)
     # where the time went
     ops = sorted({k for m in metrics.values() for k in m.get("share_of_busy", {})})
     if ops:
@@ -62,3 +64,43 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
     p = out / "report.md"
     p.write_text("\n".join(lines))
     return p
+
+
+def _fmt(v) -> str:
+    return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _capacity_section(metrics: dict, common: dict) -> list[str]:
+    """Capacity search results: the limit and the bracket it lies in, whether the trace saturated the deployment,
+    the simulated replicas for the target rate, and every probe (a probe stopped early once its SLO verdict was
+    certain shows the TTFT p99 of the turns that had arrived, a lower bound)."""
+    slo = ", ".join(f"{k} <= {v:g} s" for k, v in (common.get("slo") or {}).items())
+    lines = ["## Capacity under the SLO", "", f"SLO: {slo}. The search doubles/halves the trace's session arrival "
+             "rate until the SLO is met at one load and missed at another, then bisects; the limit lies in the "
+             "bracket [met, missed].", "",
+             "| mode | max_rate_rps | bracket (met, missed) rps | saturated | replicas_needed | probes |",
+             "|---|---|---|---|---|---|"]
+    for mode, m in metrics.items():
+        if "capacity_probes" not in m:
+            continue
+        lo, hi = m.get("capacity_bracket_rps") or [None, None]
+        lines.append(f"| {mode} | {_fmt(m.get('max_rate_rps'))} | {_fmt(lo)}, {_fmt(hi) or 'none missed'} | "
+                     f"{'yes' if m.get('capacity_saturated', True) else 'no'} | {_fmt(m.get('replicas_needed'))} | "
+                     f"{len(m['capacity_probes'])} |")
+    lines.append("")
+    for mode, m in metrics.items():
+        for k in ("capacity_note", "replicas_note"):
+            if m.get(k):
+                lines.append(f"- **{mode}**: {m[k]}")
+    lines += ["", "Probes (offered rps, TTFT p99 s, SLO met, stopped early):", ""]
+    for mode, m in metrics.items():
+        if "capacity_probes" in m:
+            pr = "; ".join(f"{_fmt(p[0]) or 'burst'}: {_fmt(p[1])} {'ok' if p[2] else 'miss'}"
+                           f"{' (stopped)' if len(p) > 3 and p[3] else ''}" for p in m["capacity_probes"])
+            lines.append(f"- {mode}: {pr}")
+            if m.get("replicas_probes"):
+                rp = "; ".join(f"{p[0]} replicas: {_fmt(p[1])} {'ok' if p[2] else 'miss'}"
+                               f"{' (stopped)' if p[3] else ''}" for p in m["replicas_probes"])
+                lines.append(f"  - at {_fmt(common.get('target_rate'))} rps: {rp}")
+    lines.append("")
+    return lines

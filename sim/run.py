@@ -1,9 +1,13 @@
 """The simulator's replicas (the shared scheduler with a cost model as executor) and its replay of a trace."""
 from __future__ import annotations
 
+import dataclasses
+
 from tangram.config import EngineConfig, kv_pool_bytes
 from tangram.harness import ClusterResult, replay
 from tangram.harness import capacity_search as _search
+from tangram.harness.capacity import replicas_search as _replicas_search
+from tangram.harness.slo import SLOMonitor
 from tangram.scheduler import Scheduler
 from tangram.spec import DeploymentSpec
 
@@ -20,14 +24,33 @@ def build_replica(spec: DeploymentSpec, engine: EngineConfig, idx: int) -> tuple
     return sched, cm
 
 
-def simulate(trace, spec: DeploymentSpec, mode: str | None = None, *, progress=None, record_kv: bool = True
-             ) -> tuple[dict, ClusterResult]:
-    """Run the trace through ``spec.replicas`` simulated replicas; returns (summary, raw result)."""
+def simulate(trace, spec: DeploymentSpec, mode: str | None = None, *, progress=None, record_kv: bool = True,
+             fast_forward: bool = True, stop_slo: dict[str, float] | None = None) -> tuple[dict, ClusterResult]:
+    """Run the trace through ``spec.replicas`` simulated replicas; returns (summary, raw result).
+
+    ``fast_forward=False``: every decode step one by one (the reference path). ``stop_slo``: stop as soon as this
+    SLO is certain to be missed (a capacity probe needs the verdict, not the hours an overloaded queue drains).
+    """
     engine = spec.engine if mode is None else spec.engine.with_(mode=mode)
     reps = [build_replica(spec, engine, i) for i in range(spec.replicas)]
-    return replay(trace, reps, engine, spec.router, progress=progress, record_kv=record_kv)
+    mon = SLOMonitor(stop_slo, [t.output_tokens for t in trace.turns]) if stop_slo else None
+    return replay(trace, reps, engine, spec.router, progress=progress, record_kv=record_kv, fast_forward=fast_forward,
+                  slo_monitor=mon)
 
 
-def capacity_search(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float], **kw) -> dict:
-    """:func:`tangram.harness.capacity_search` with simulated replays (keyword arguments as there)."""
-    return _search(trace, lambda t: simulate(t, spec, mode, record_kv=False)[0], slo, **kw)
+def capacity_search(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float], *, fast_forward: bool = True,
+                    early_stop: bool = True, **kw) -> dict:
+    """:func:`tangram.harness.capacity_search` with simulated replays (keyword arguments as there); each probe
+    stops as soon as its SLO verdict is certain unless ``early_stop`` is False."""
+    return _search(trace, lambda t: simulate(t, spec, mode, record_kv=False, fast_forward=fast_forward,
+                                             stop_slo=slo if early_stop else None)[0], slo, **kw)
+
+
+def replicas_needed(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float], target_rps: float, start: int,
+                    *, fast_forward: bool = True, early_stop: bool = True, **kw) -> dict:
+    """:func:`tangram.harness.capacity.replicas_search`: simulate ``n`` replicas behind ``spec.router``."""
+    def run_n(t, n: int) -> dict:
+        return simulate(t, dataclasses.replace(spec, replicas=n), mode, record_kv=False, fast_forward=fast_forward,
+                        stop_slo=slo if early_stop else None)[0]
+
+    return _replicas_search(trace, run_n, slo, target_rps, start, **kw)

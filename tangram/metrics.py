@@ -236,14 +236,14 @@ def plot_kv_over_time(path: Path, per_mode_series: dict) -> Path:
 
 
 def plot_capacity(path: Path, curves: dict, slo: dict) -> Path:
-    """curves: mode -> list of (offered_rps, ttft_p99_s, ok)."""
+    """curves: mode -> list of (offered_rps, ttft_p99_s, ok[, stopped early])."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     for mode, pts in curves.items():
         pts = sorted(pts)
         if not pts:
             continue
-        x, y, _ = zip(*pts)
+        x, y = [p[0] for p in pts], [p[1] for p in pts]
         ax.plot(x, [v if v is not None else np.nan for v in y], marker="o", ms=3, label=mode)
     if "ttft_p99" in slo:
         ax.axhline(slo["ttft_p99"], color="k", ls="--", lw=0.8, label="SLO ttft_p99")

@@ -77,6 +77,121 @@ class StepResult:
     sampled: dict | None = None
 
 
+@dataclass
+class StepRun:
+    """``k`` consecutive steps of one unchanged running set (``Scheduler.plan_run``), described at once.
+
+    Every step decodes the same rows (one token per head: ``decode_head_lens = head_lens0 + j`` at step ``j``,
+    1-based) and gives the prefilling turns the chunks the token budget gives them (``chunk_*`` arrays, one entry
+    per chunk, ordered by step then by the order ``schedule`` lists them). No turn is admitted, evicted, preempted
+    or finished before step ``k``; ``alloc[j-1]`` pages are allocated at step ``j`` (decode tables crossing a page
+    boundary; a chunk's pages were reserved at admission). :meth:`plan` ``(j)`` is the :class:`StepPlan` of step
+    ``j``. A fast executor prices the run in one call (``execute_run``); the driver commits ``j <= k`` of its steps
+    (``Scheduler.commit_run``), fewer when something external (an arrival, a session ended) happens during step
+    ``j``. A run with no chunk is a run of pure decode steps.
+    """
+
+    step0: int  # step number of the run's first step
+    decode_ids: np.ndarray  # int64 [kd], the order a step's plan lists them
+    decode_rows: np.ndarray
+    ctx0: np.ndarray  # int64 [kd] logical context before the run
+    head_lens0: np.ndarray  # int64 [kd, L, H] tokens each head holds before the run
+    alloc: np.ndarray  # int64 [k] pages allocated by each step (= table rows touched)
+    n_tables: int
+    retention: str
+    pages_used0: int  # pool pages in use before the run
+    live0: int  # head-tokens held before the run
+    # prefill chunks of the run, [n] (per head: [n, L, H]); empty for a run of pure decode steps
+    chunk_step: np.ndarray = None  # int64 step (1-based) of each chunk, nondecreasing
+    chunk_ids: np.ndarray = None
+    chunk_rows: np.ndarray = None
+    chunk_start: np.ndarray = None
+    chunk_tokens: np.ndarray = None
+    chunk_last: np.ndarray = None  # bool: completes its prompt (only at step k)
+    chunk_before: np.ndarray = None  # tokens each head holds before the chunk
+    chunk_keep: np.ndarray = None  # tokens each head keeps of the chunk
+    chunk_pages: np.ndarray = None  # [n, T] pages the row's tables hold (reserved at admission)
+
+    def __post_init__(self):
+        if self.chunk_step is None:
+            e = np.zeros(0, dtype=np.int64)
+            ph = np.zeros((0,) + self.head_lens0.shape[1:], dtype=np.int64)
+            self.chunk_step = self.chunk_ids = self.chunk_rows = self.chunk_start = self.chunk_tokens = e
+            self.chunk_last = np.zeros(0, dtype=bool)
+            self.chunk_before = self.chunk_keep = ph
+            self.chunk_pages = np.zeros((0, self.n_tables), dtype=np.int64)
+        k = self.k
+        self._bounds = np.searchsorted(self.chunk_step, np.arange(1, k + 2))  # chunks of step j: [b[j-1], b[j])
+
+    @property
+    def k(self) -> int:
+        return int(self.alloc.size)
+
+    @property
+    def _heads(self) -> int:
+        return int(np.prod(self.head_lens0.shape[1:]))
+
+    @property
+    def num_decode(self) -> int:
+        return int(self.decode_ids.size)
+
+    @property
+    def num_prefill(self) -> np.ndarray:
+        """Chunks of each step [k]."""
+        return np.diff(self._bounds)
+
+    def chunks_of(self, j: int) -> slice:
+        return slice(int(self._bounds[j - 1]), int(self._bounds[j]))
+
+    @property
+    def totals(self) -> np.ndarray:
+        """Head-tokens the decode rows hold after each step [k] (what decode attention streams)."""
+        per_step = self._heads * self.num_decode
+        return int(self.head_lens0.sum()) + per_step * np.arange(1, self.k + 1, dtype=np.int64)
+
+    def counters(self, j=None) -> dict:
+        """Host work of step ``j`` (1-based), or of every step as arrays [k] when ``j`` is None."""
+        a = self.alloc if j is None else int(self.alloc[j - 1])
+        kp = self.num_prefill if j is None else int(self.num_prefill[j - 1])
+        return {"admitted": 0, "preempted": 0, "evicted": 0, "pages_allocated": a, "pages_freed": 0,
+                "rows_touched": a, "tables": self.n_tables, "decode_rows": self.num_decode, "prefill_rows": kp}
+
+    def reserved(self) -> np.ndarray:
+        """Pool pages in use after each step [k] (nothing is freed inside a run)."""
+        return self.pages_used0 + np.cumsum(self.alloc)
+
+    def live(self) -> np.ndarray:
+        """Head-tokens held after each step [k]."""
+        per_step = self._heads * self.num_decode
+        kept = np.bincount(self.chunk_step, weights=self.chunk_keep.sum(axis=(1, 2)),
+                           minlength=self.k + 1)[1:].astype(np.int64)
+        return self.live0 + per_step * np.arange(1, self.k + 1, dtype=np.int64) + np.cumsum(kept)
+
+    def plan(self, j: int) -> StepPlan:
+        """The step-by-step plan of step ``j`` (1-based)."""
+        if not 1 <= j <= self.k:
+            raise ValueError(f"step {j} outside the run's 1..{self.k}")
+        c = self.chunks_of(j)
+        if self.num_decode:
+            d_ctx, d_lens = self.ctx0 + j, self.head_lens0 + j
+        else:
+            d_ctx, d_lens = self.ctx0, self.head_lens0
+        return StepPlan(self.step0 + j - 1, self.decode_ids, self.decode_rows, d_ctx, d_lens,
+                        self.chunk_ids[c], self.chunk_rows[c], self.chunk_start[c], self.chunk_tokens[c],
+                        self.chunk_last[c], self.chunk_before[c], self.chunk_keep[c], self.chunk_pages[c],
+                        self.counters(j), self.retention)
+
+
+@dataclass
+class RunResult:
+    """A priced :class:`StepRun`: each step's duration and per-term seconds, arrays [k]. ``state`` is the
+    executor's own (what it must look like after each possible last step), passed back to ``commit_run``."""
+
+    durations: np.ndarray
+    breakdown: dict = field(default_factory=dict)
+    state: object = None
+
+
 @dataclass(frozen=True)
 class Event:
     rid: int
@@ -92,3 +207,13 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def describe(self) -> dict: ...
+
+
+class RunExecutor(Executor, Protocol):
+    """An executor that can also price a run of steps at once (the simulator's cost model): the harness
+    fast-forwards through such runs. ``execute_run`` must not change the executor's state; ``commit_run(result,
+    j)`` then leaves it as if steps 1..j had gone through ``execute`` one by one."""
+
+    def execute_run(self, run: StepRun) -> RunResult: ...
+
+    def commit_run(self, result: RunResult, j: int) -> None: ...

@@ -36,7 +36,7 @@ from tangram.budgets import BudgetProfile
 from tangram.config import EngineConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import BlockTable, KVLayout, OutOfPages, PagePool, ParkedTables
-from tangram.plan import Event, StepPlan, StepResult
+from tangram.plan import Event, StepPlan, StepResult, StepRun
 from tangram.prefix_cache import ChainPlan, PrefixCache, check_prefix
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -153,6 +153,9 @@ class Scheduler:
         self._in_step: set[int] = set()
         self._events: list[Event] = []
         self._counters: dict = {}
+        # fast-forward (decode_run): (request, free pages) of this step's failed admission of the queue's head
+        self._blocked: tuple[Request, int] | None = None
+        self._run: tuple | None = None
 
     @property
     def live_tokens(self) -> int:
@@ -320,6 +323,7 @@ class Scheduler:
         self._events: list[Event] = []
         self._counters = {"admitted": 0, "preempted": 0, "evicted": 0, "pages_allocated": 0}
         self._copies = []
+        self._blocked = None
         rows0, alloc0 = self.bt.rows_touched, self.pool.total_allocs
         frees0 = self.pool.total_frees
         budget = self.engine.max_batched_tokens
@@ -452,6 +456,7 @@ class Scheduler:
             if units:
                 self.pc.release(units)
                 self.pool.unpin(units[-1].tail_ids)
+            self._blocked = (req, self.pool.n_free)  # what decode_run needs to know the next step admits nothing
             return False
         self.waiting.popleft()
         if resident:
@@ -642,6 +647,196 @@ class Scheduler:
     def clear_prefix_cache(self) -> int:
         """Evict every cached prefix unit no row holds (end of a run, before a leak check); returns pages freed."""
         return self.pc.clear() if self.pc is not None else 0
+    # ------------------------------------------------------------------ fast-forward
+    def plan_run(self, max_steps: int | None = None) -> StepRun | None:
+        """The longest run of coming steps that only advance the running set, or None.
+
+        Call between ``update`` (or ``commit_run``) and the next ``schedule``. The steps ``schedule`` would plan
+        next are described at once while each one would only decode every decoding turn and give the prefilling
+        ones their chunks (the token budget's order): no turn finishes or completes its prompt before the run's
+        last step, the pages decode takes fit the free pool without evicting, chunks take no page (their pages
+        were reserved at admission: prefilling turns are only run ahead under exact reservation, and not in the
+        dynamic mode, whose keep the executor decides), and no turn is admitted. The last holds when nothing waits,
+        the batch is at ``max_num_seqs``, or this scheduler's last step already failed to admit the queue's head
+        and nothing has freed pages or parked a session since: the next attempts fail the same way, without side
+        effects (a failed admission has evicted every idle session but the head's own, and memory only shrinks
+        during the run). Decode pages are counted per step, vectorised: a table with ``c`` free token slots takes
+        a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
+        interrupt such a run (an arrival, another replica's doing): the driver then commits the steps up to the one
+        in progress.
+        """
+        run = self.running
+        if not run or any(r.status != "running" for r in run):
+            return None
+        dec = [r for r in run if r.prefilled >= r.prompt]
+        pre = [r for r in run if r.prefilled < r.prompt]
+        if pre and (not self.engine.reserve_exact or self.retention == "global"):
+            return None
+        if self.pc is not None:  # shared prefixes: a chain's chunks are cut at its segment ends, copy-on-write
+            # and cache registration happen at chunk steps, and a blocked head may own evictable cache units: the
+            # step-by-step path handles these (decode-only runs of chain-free batches stay fast-forwarded)
+            if any(r.chain is not None or r.pending_copy is not None or r.reg >= 0 for r in pre):
+                return None
+            if self.waiting and len(run) < self.engine.max_num_seqs and self.pc.units:
+                return None
+        blocked = None
+        if self.waiting and len(run) < self.engine.max_num_seqs:
+            b = self._blocked
+            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
+                return None
+            sid = b[0].sid
+            if any(s != sid for s in self.idle):
+                return None
+            blocked = b[0]
+        k_max = min((r.output_tokens - r.generated for r in dec), default=1 << 30)  # first decode finish
+        if max_steps is not None:
+            k_max = min(k_max, int(max_steps))
+        chunks: list[tuple] = []  # (step, request, tokens, last)
+        attempted_last = True
+        if pre:  # the budget's chunks, step by step, until one completes its prompt (it decodes from the next)
+            C, head = self.engine.chunk_size, blocked
+            head_first = min(C, self._prompt_of(head)) if head is not None else 0
+            rem = [r.prompt - r.prefilled for r in pre]
+            done = False
+            for j in range(1, k_max + 1):
+                budget, got = self.engine.max_batched_tokens - len(dec), False
+                for i, r in enumerate(pre):
+                    if rem[i] and (budget > 0 or not got):
+                        c = min(C, rem[i])
+                        if c > budget and got:
+                            continue
+                        rem[i] -= c
+                        budget -= c
+                        got = True
+                        chunks.append((j, r, c, rem[i] == 0))
+                        done = done or rem[i] == 0
+                attempted_last = head_first <= budget or not got
+                if done:
+                    k_max = j
+                    break
+        if k_max < 1:
+            return None
+        rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
+        lens0 = self.head_lens[rows]
+        if dec:
+            tl0 = self.layout.table_lens(lens0)
+            P = self.layout.page_size
+            # first step at which each table needs a page, then one every P steps (strided cumulative count)
+            first = (self.bt.npages[rows] * P - tl0).ravel() + 1
+            first = first[first <= k_max]
+            per = np.bincount(first, minlength=k_max + 1)[1:]
+            if first.size and k_max > P:
+                m = -(-k_max // P) * P
+                per = np.cumsum(np.pad(per, (0, m - k_max)).reshape(-1, P), axis=0).ravel()[:k_max]
+            k = int(np.searchsorted(np.cumsum(per), self.pool.n_free, side="right"))
+        else:
+            per, k = np.zeros(k_max, dtype=np.int64), k_max
+        if k < 1:
+            return None
+        if k < k_max:  # cut by memory: the steps after k neither complete a prompt nor happen
+            chunks = [ch for ch in chunks if ch[0] <= k]
+            if pre:
+                attempted_last = self._attempted_at(k, chunks, blocked, len(dec))
+        out = StepRun(self._step + 1, np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec)), rows,
+                      self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
+                      self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
+        self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True)
+        return out
+
+    def _attempted_at(self, j: int, chunks: list, head, kd: int) -> bool:
+        """Whether step ``j``'s admission loop would try the queue's head (its token budget left allows it)."""
+        mine = [c for (s, _, c, _) in chunks if s == j]
+        budget = self.engine.max_batched_tokens - kd - sum(mine)
+        return head is None or min(self.engine.chunk_size, self._prompt_of(head)) <= budget or not mine
+
+    def _chunk_arrays(self, chunks: list) -> dict:
+        if not chunks:
+            return {}
+        keep_of: dict[int, np.ndarray] = {}
+        before, keep, start, pages = [], [], [], []
+        grown: dict[int, np.ndarray] = {}
+        ctx: dict[int, int] = {}
+        for _, r, c, _ in chunks:
+            kc = keep_of.get(c)
+            if kc is None:
+                kc = keep_of[c] = self._keep(np.array([c]))[0]
+            b = grown.get(r.rid)
+            if b is None:
+                b, ctx[r.rid] = self.head_lens[r.row], int(self.ctx[r.row])
+            before.append(b)
+            keep.append(kc)
+            grown[r.rid] = b + kc
+            start.append(ctx[r.rid])
+            ctx[r.rid] += c
+            pages.append(self.bt.npages[r.row])
+        n = len(chunks)
+        return {"chunk_step": np.fromiter((ch[0] for ch in chunks), dtype=np.int64, count=n),
+                "chunk_ids": np.fromiter((ch[1].rid for ch in chunks), dtype=np.int64, count=n),
+                "chunk_rows": np.fromiter((ch[1].row for ch in chunks), dtype=np.int64, count=n),
+                "chunk_start": np.array(start, dtype=np.int64),
+                "chunk_tokens": np.fromiter((ch[2] for ch in chunks), dtype=np.int64, count=n),
+                "chunk_last": np.fromiter((ch[3] for ch in chunks), dtype=bool, count=n),
+                "chunk_before": np.stack(before), "chunk_keep": np.stack(keep), "chunk_pages": np.stack(pages)}
+
+    def commit_run(self, run: StepRun, j: int) -> list[Event]:
+        """Apply the first ``j`` steps of ``run`` (planned and updated), as ``j`` schedule/update pairs would;
+        returns the events of its last step (``finished`` turns, and ``first_token`` of prompts completed at step
+        ``k``). Counts are identical to the step-by-step path; page ids may differ (a table's decode pages of the
+        run are taken in one allocation)."""
+        if self._run is None or self._run[0] is not run:
+            raise ValueError("commit_run: not the scheduler's pending run (call plan_run, then commit it once)")
+        _, dec, blocked, free0, attempted_last = self._run
+        self._run = None
+        if not 1 <= j <= run.k:
+            raise ValueError(f"commit_run: {j} steps of a {run.k}-step run")
+        alloc = int(run.alloc[:j].sum())
+        if dec:
+            rows = run.decode_rows
+            new_lens = run.head_lens0 + j
+            tl = self.layout.table_lens(new_lens)
+            touched = self.bt.rows_touched
+            got = self.bt.ensure(rows, tl)
+            assert got == alloc, (got, alloc)
+            self.bt.rows_touched = touched + alloc  # one page per growing table per step, as j single steps count
+            self.head_lens[rows] = new_lens
+            self.bt.lens[rows] = tl
+            self.ctx[rows] += j
+            self._head_tokens += j * new_lens[0].size * rows.size
+        n = int(run._bounds[j])  # chunks of steps 1..j
+        last_prefill = []
+        if n:
+            ids = run.chunk_ids[:n]
+            uniq, first_rev = np.unique(ids[::-1], return_index=True)
+            last = n - 1 - first_rev  # each request's last chunk among the first n: it sets the row
+            rows = run.chunk_rows[last]
+            upper = run.chunk_before[last] + run.chunk_keep[last]
+            self.head_lens[rows] = upper
+            self.bt.lens[rows] = self.layout.table_lens(upper)
+            tok = np.bincount(np.searchsorted(uniq, ids), weights=run.chunk_tokens[:n], minlength=uniq.size)
+            self.ctx[rows] += tok.astype(np.int64)
+            for rid, c in zip(uniq.tolist(), tok.astype(np.int64).tolist()):
+                self.requests[rid].prefilled += c
+            last_prefill = [self.requests[int(r)] for r in run.chunk_ids[:n][run.chunk_last[:n]]]
+            self._head_tokens += int(run.chunk_keep[:n].sum())
+        self._step += j
+        st = self.stats
+        st.steps += j
+        st.pages_allocated += alloc
+        st.peak_pages = max(st.peak_pages, run.pages_used0 + alloc)
+        self._counters = run.counters(j)
+        at_j = attempted_last if j == run.k else self._attempted_at(j, list(zip(
+            run.chunk_step.tolist(), [None] * len(run.chunk_step), run.chunk_tokens.tolist(),
+            [None] * len(run.chunk_step))), blocked, len(dec))
+        self._blocked = (blocked, free0 - alloc) if blocked is not None and at_j else None
+        events: list[Event] = []
+        for r in last_prefill:
+            self._emit_token(r, events)
+        for r in dec:
+            r.generated += j - 1
+        for r in dec:
+            self._emit_token(r, events)
+        self._events = []
+        return events
 
     # ------------------------------------------------------------------ reporting
     def kv_usage(self) -> dict:

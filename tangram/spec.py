@@ -11,7 +11,7 @@ from tangram.budgets import BudgetProfile, synthetic_profile
 from tangram.config import MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, get_gpu, get_model
 from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
-from tangram.harness.slo import parse_slo
+from tangram.harness.slo import DEFAULT_SLO, parse_slo
 
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
@@ -117,9 +117,8 @@ def resolve(args, default_out: str) -> dict:
         raise ConfigError(f"unknown router {router!r}")
     modes = parse_modes(args.mode or cfg.get("modes") or ([cfg["mode"]] if "mode" in cfg else None))
     slo_text = args.slo or cfg.get("slo")
-    slo = parse_slo(slo_text) if slo_text else None
-    if args.capacity and not slo:
-        raise ConfigError("--capacity needs --slo, e.g. --slo 'ttft_p99=2s,tpot_p99=0.1s'")
+    slo_default = bool(args.capacity and not slo_text)  # the capacity search's documented default SLO
+    slo = parse_slo(DEFAULT_SLO if slo_default else slo_text) if slo_text or slo_default else None
     target = args.target_rate if args.target_rate is not None else cfg.get("target_rate")
     if target is not None and not (math.isfinite(float(target)) and float(target) > 0):
         raise ConfigError(f"--target-rate must be > 0 requests/s, got {target}")
@@ -136,6 +135,6 @@ def resolve(args, default_out: str) -> dict:
     if probe is not None and not Path(probe).is_file():
         raise ConfigError(f"--probe: {probe} is not a file (a tangram-probe JSON)")
     spec = DeploymentSpec(model, gpu, engine, profile, replicas, router, seed, tables, eo, probe)
-    return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
+    return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo, "slo_default": slo_default,
             "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
             "out": Path(args.out or cfg.get("out", default_out)), "config": cfg}

@@ -412,7 +412,10 @@ def test_capacity_search_brackets_and_orders_slos(tmp_path):
     out = _run_cli(tmp_path, str(path), "--config", str(cfg), "--mode", "tangram", "--capacity",
                    "--slo", "ttft_p99=5ms", "--target-rate", "100")
     m = json.loads((out / "metrics.json").read_text())["tangram"]
-    assert m["max_rate_rps"] > 0 and m["replicas_needed"] == int(np.ceil(100 / m["max_rate_rps"] - 1e-9))
+    # replicas for 100 req/s come from simulating clusters: the count met the SLO and one fewer did not
+    n = m["replicas_needed"]
+    by_n = {p[0]: p[2] for p in m["replicas_probes"]}
+    assert m["max_rate_rps"] > 0 and n >= 1 and by_n[n] and (n == 1 or by_n[n - 1] is False)
     ok = [p for p in m["capacity_probes"] if p[2]]
     bad = [p for p in m["capacity_probes"] if not p[2]]
     assert ok and bad and max(p[0] for p in ok) == pytest.approx(m["max_rate_rps"], rel=1e-5)

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from tangram.errors import ConfigError, cli_errors
+from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
 
-DEFAULT_SLO = "ttft_p99=60s,tpot_p99=0.5s"
 DEFAULT_BOUND = 0.05
 
 

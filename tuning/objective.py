@@ -90,8 +90,14 @@ class Evaluator:
         else:
             cap = capacity_search(self.trace, spec, mode, self.slo, iters=self.capacity_iters, tol=self.capacity_tol,
                                   start=self.capacity_start)
-            out.update(load_rps=float(cap["max_rate_rps"]), max_rate_scale=float(cap["max_rate_scale"]),
-                       sims=len(cap["probes"]), bound=cap.get("bound"), offered_rps=offered_rps(self.trace))
+            # a trace too small to saturate has no limit to find: its trials record the highest load tested (a
+            # lower bound) and saturated=False, which the report counts and warns about
+            sat = bool(cap["saturated"])
+            load = cap["max_rate_rps"] if sat else cap.get("lower_bound_rps")
+            out.update(load_rps=float(load or 0.0), max_rate_scale=cap["max_rate_scale"], sims=len(cap["probes"]),
+                       saturated=sat, bracket_rps=cap["bracket_rps"], offered_rps=offered_rps(self.trace))
+            if cap.get("note"):
+                out["capacity_note"] = cap["note"]
         for k, v in list(out.items()):
             if isinstance(v, float) and not math.isfinite(v):
                 out[k] = None

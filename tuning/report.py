@@ -68,7 +68,10 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
                "load_gain": (best.user_attrs["load_rps"] / base["load_rps"] - 1.0) if base["load_rps"] else None,
                "n_complete": len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
                "n_fail": len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))),
-               "pareto_front": [t.number for t in study.best_trials] if setup.objective == "pareto" else None}
+               "pareto_front": [t.number for t in study.best_trials] if setup.objective == "pareto" else None,
+               # trials whose capacity search found no limit: the trace is too small to saturate the deployment
+               "unsaturated_trials": [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                                      if t.user_attrs.get("saturated") is False]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     df = study.trials_dataframe(attrs=("number", "state", "values" if setup.objective == "pareto" else "value",
                                        "params", "user_attrs", "duration"))
@@ -108,6 +111,14 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
         "Check it with the simulator: `tangram-sim --config best_config.json --capacity` "
         "(`python -m tangram.sim.cli` until the console script is installed).", "",
     ]
+    if s["unsaturated_trials"]:
+        n = len(s["unsaturated_trials"])
+        at = lines.index("## Tuned vs the paper default (H_p = 4, alpha = 2, other fields default)")
+        lines[at:at] = [
+            f"**Warning: the trace is too small to saturate {n} of {s['n_complete']} trials' deployments** (trials "
+            f"{', '.join(map(str, s['unsaturated_trials'][:20]))}{' ...' if n > 20 else ''}): all its requests "
+            "arriving at once still met the SLO, so their load is only a lower bound (the highest rate tested) and "
+            "the ranking among them means nothing. Tune on a longer trace (more requests) or a tighter SLO.", ""]
     if s["pareto_front"] is not None:
         lines += [f"Pareto front (trial numbers): {s['pareto_front']}", ""]
     lines += [f"![{p}]({p})" for p in pics]

@@ -340,24 +340,28 @@ class PrefillInterp:
         self.work = c * (n + num_kv_heads * c / 2)
         self.vals = {k: np.maximum(rows[k].to_numpy(float), 1e-6) * 1e-3 for k in self.cols}
         self._near = NearestNDInterpolator(self.pts, np.arange(len(rows)))
-        self._lin = {}
+        # one interpolant over every column: one simplex search per query instead of one per column (the same
+        # barycentric weights, so the same values), and the nearest point only where a query leaves the hull
+        self._lin = None
         if len(rows) >= 3 and np.linalg.matrix_rank(self.pts - self.pts.mean(0)) == 2:
-            for k in self.cols:
-                self._lin[k] = LinearNDInterpolator(self.pts, np.log(self.vals[k]))
+            self._lin = LinearNDInterpolator(self.pts, np.stack([np.log(self.vals[k]) for k in self.cols], axis=1))
 
     def __call__(self, chunk: np.ndarray, cached: np.ndarray) -> dict[str, np.ndarray]:
         """Seconds per layer call for chunks of ``chunk`` tokens over ``cached`` retained tokens of the layer."""
         chunk, cached = np.asarray(chunk, float), np.asarray(cached, float)
         q = np.stack([np.log(np.maximum(chunk, 1)), np.log1p(cached)], axis=1)
+        lin = self._lin(q) if self._lin is not None else None
+        if lin is not None and np.isfinite(lin).all():
+            return {k: np.exp(lin[:, i]) for i, k in enumerate(self.cols)}
         idx = self._near(q).astype(int)
         scale = chunk * (cached + self.H * chunk / 2) / self.work[idx]
         out = {}
-        for k in self.cols:
+        for i, k in enumerate(self.cols):
             # compression kernels scale with the chunk only; attention with the attention work
             s = scale if k == "attention_ms" else chunk / np.exp(self.pts[idx, 0])
             v = self.vals[k][idx] * np.maximum(s, 1.0) if k != "attention_ms" else self.vals[k][idx] * s
-            if k in self._lin:
-                lin = self._lin[k](q)
-                v = np.where(np.isfinite(lin), np.exp(np.where(np.isfinite(lin), lin, 0.0)), v)
+            if lin is not None:
+                li = lin[:, i]
+                v = np.where(np.isfinite(li), np.exp(np.where(np.isfinite(li), li, 0.0)), v)
             out[k] = v
         return out

@@ -16,12 +16,21 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   and the old replica drops the session's KV.
 * A rejected turn rejects the rest of its session ("previous turn rejected");
   a session's KV is released (``end_session``) after its last turn.
+* Fast-forward: when the executor can price a run of steps at once (``execute_run``, the simulator's cost
+  model), a replica whose coming steps only advance its unchanged running set (decode rows and prefill chunks,
+  ``Scheduler.plan_run``) goes through the whole run in one event. The run ends at the first finish or completed
+  prompt, or before the pool runs short; anything done to the replica from outside while it runs (a turn routed to
+  it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
+  step-by-step path. ``fast_forward=False`` is that reference path.
+* ``slo_monitor`` (:class:`tangram.harness.slo.SLOMonitor`): the replay stops as soon as the SLO is certain to be
+  missed; the requests left are listed as rejected "stopped early: ..." (so the run does not meet the SLO).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import simpy
 
 from tangram.errors import ConfigError
@@ -43,6 +52,8 @@ class ReplicaTrace:
     steps: int = 0
     busy_s: float = 0.0
     prefill_step_s: float = 0.0
+    runs: int = 0  # fast-forwarded runs of steps (their steps are counted in ``steps``)
+    run_steps: int = 0
 
 
 @dataclass
@@ -51,6 +62,7 @@ class ClusterResult:
     replicas: list[ReplicaTrace]
     schedulers: list[Scheduler]
     end_s: float
+    stopped: str | None = None  # why the replay stopped early (an SLO certain to be missed), else None
 
     @property
     def steps(self) -> int:
@@ -63,12 +75,16 @@ class _Replica:
         self.outstanding = 0
         self.wake: simpy.Event | None = None
         self.trace = ReplicaTrace()
+        self.proc: simpy.Process | None = None
+        self.in_run = False  # inside a fast-forwarded run that an outside change must cut
+        self.ff = hasattr(executor, "execute_run") and hasattr(sched, "plan_run")
 
 
 class Cluster:
     def __init__(self, trace, replicas: Sequence[tuple[Scheduler, Executor]], router: str = "session-affinity", *,
                  realtime: bool = False, realtime_factor: float = 1.0,
-                 progress: Callable[[int], None] | None = None, record_kv: bool = True):
+                 progress: Callable[[int], None] | None = None, record_kv: bool = True,
+                 fast_forward: bool = True, slo_monitor=None):
         if router not in ROUTERS:
             raise ConfigError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
         if not replicas:
@@ -80,6 +96,10 @@ class Cluster:
         self.replicas = [_Replica(i, s, e) for i, (s, e) in enumerate(replicas)]
         self.progress = progress
         self.record_kv = record_kv
+        self.fast_forward = fast_forward
+        self.monitor = slo_monitor
+        self._stop = self.env.event()  # succeeds when the monitor's verdict is certain: ends env.run
+        self._stop.callbacks.append(simpy.core.StopSimulation.callback)
         self._rr = 0
         # per-session state: turn indices in order, holder replica, logical context
         self.session_turns: dict[str, list[int]] = {}
@@ -113,18 +133,29 @@ class Cluster:
         old = self.holder.get(sid)
         new_tokens = t.new_tokens
         if old is not None and old is not rep:  # migrate: drop the KV there, recompute the history here
+            self._touch(old)
             old.sched.end_session(sid)
             new_tokens += self.context.get(sid, 0)
         self.holder[sid] = rep
         rec.replica = rep.idx
         rec.prefill_tokens = new_tokens
+        self._touch(rep)
         events = rep.sched.add_request(idx, sid, new_tokens, t.output_tokens, prefix=t.prefix)
         if events:  # rejected at intake
             self._reject_session(idx, events[0].detail, rep)
             return
+        if self.monitor is not None:
+            self.monitor.arrived(idx, ready_s)
         rep.outstanding += new_tokens + t.output_tokens
         if rep.wake is not None and not rep.wake.triggered:
             rep.wake.succeed()
+
+    @staticmethod
+    def _touch(rep: _Replica) -> None:
+        """Something outside changes the replica's scheduler now: a fast-forwarded run stops after this step."""
+        if rep.in_run:
+            rep.in_run = False
+            rep.proc.interrupt()
 
     def _reject_session(self, idx: int, reason: str, rep: _Replica) -> None:
         t = self.turns[idx]
@@ -138,6 +169,8 @@ class Cluster:
     def _mark_rejected(self, idx: int, reason: str) -> None:
         rec = self.records[idx]
         rec.status, rec.reason = "rejected", reason
+        if self.monitor is not None:
+            self.monitor.rejected(idx)
         if self.progress:
             self.progress(1)
 
@@ -154,12 +187,20 @@ class Cluster:
     # ------------------------------------------------------------------ replicas
     def _run_replica(self, rep: _Replica):
         env, sched, tr = self.env, rep.sched, rep.trace
+        ff = self.fast_forward and rep.ff
         while True:
             if not sched.has_work():
                 rep.wake = env.event()
                 yield rep.wake
                 rep.wake = None
                 continue
+            if ff:
+                run = sched.plan_run()
+                if run is not None:
+                    yield from self._fast_forward(rep, run)
+                    if self.monitor is not None and self.monitor.check(env.now):
+                        yield self._halt()
+                    continue
             t0 = env.now
             plan = sched.schedule()
             if plan.empty:  # nothing runnable until something else happens (an arrival)
@@ -184,6 +225,50 @@ class Cluster:
                 tr.reserved.append(sched.pool.n_used)
                 tr.live.append(sched.live_tokens)
             self._handle(rep, events, t0, t1)
+            if self.monitor is not None and self.monitor.check(t1):
+                yield self._halt()
+
+    def _halt(self) -> simpy.Event:
+        """The SLO is certain to be missed: end the replay now (the replica waits on the stop event)."""
+        if not self._stop.triggered:
+            self._stop.succeed(self.monitor.reason)
+        return self._stop
+
+    def _fast_forward(self, rep: _Replica, run):
+        """Advance through ``run`` in one event; an outside change to the replica cuts it at the step in progress."""
+        env, tr = self.env, rep.trace
+        t0 = env.now
+        res = rep.executor.execute_run(run)
+        d = res.durations
+        ends = np.cumsum(np.concatenate(([t0], d)))[1:]  # the step-by-step clock: t0 + d1, then + d2, ...
+        j = run.k
+        rep.in_run = True
+        try:
+            yield env.timeout(ends[-1] - t0)
+        except simpy.Interrupt:  # something arrived during step j: it ends, then the next step sees it
+            j = min(run.k, int(np.searchsorted(ends, env.now, side="left")) + 1)
+            yield env.timeout(max(0.0, ends[j - 1] - env.now))
+        rep.in_run = False
+        sched = rep.sched
+        events = sched.commit_run(run, j)
+        rep.executor.commit_run(res, j)
+        t1 = env.now
+        tr.steps += j
+        tr.runs += 1
+        tr.run_steps += j
+        tr.busy_s += float(d[:j].sum())
+        tr.prefill_step_s += float(d[:j][run.num_prefill[:j] > 0].sum())
+        bd = tr.breakdown
+        for k, v in res.breakdown.items():
+            bd[k] = bd.get(k, 0.0) + float(v[:j].sum())
+        if self.record_kv:
+            tr.t.extend(ends[: j - 1].tolist())
+            tr.t.append(t1)
+            tr.reserved.extend(run.reserved()[: j - 1].tolist())
+            tr.reserved.append(sched.pool.n_used)
+            tr.live.extend(run.live()[: j - 1].tolist())
+            tr.live.append(sched.live_tokens)
+        self._handle(rep, events, float(ends[j - 2]) if j > 1 else t0, t1)
 
     def _handle(self, rep: _Replica, events, t0: float, t1: float) -> None:
         for ev in events:
@@ -191,10 +276,14 @@ class Cluster:
             k = ev.kind
             if k == "first_token":
                 rec.first_token_s = t1
+                if self.monitor is not None:
+                    self.monitor.first_token(ev.rid, t1)
             elif k == "finished":
                 rec.finish_s = t1
                 rec.status = "finished"
                 rec.cached_tokens = rep.sched.requests[ev.rid].cached_tokens
+                if self.monitor is not None:
+                    self.monitor.finished(ev.rid, t1, rec.first_token_s)
                 self._finished(rep, ev.rid, t1)
             elif k == "admitted":
                 if rec.admitted_s is None:
@@ -227,12 +316,13 @@ class Cluster:
     def run(self, until: float | None = None) -> ClusterResult:
         self.env.process(self._arrivals())
         for rep in self.replicas:
-            self.env.process(self._run_replica(rep))
+            rep.proc = self.env.process(self._run_replica(rep))
         self.env.run(until=until)
+        stopped = self._stop.value if self._stop.triggered else None
         for rec in self.records:  # nothing silently dropped: anything unfinished is listed with why
             if rec.status not in ("finished", "rejected"):
-                why = "simulation horizon reached" if until is not None else \
-                    "stalled: the scheduler could not make progress (no runnable work and no further arrivals)"
+                why = f"stopped early: {stopped}" if stopped else "simulation horizon reached" if until is not None \
+                    else "stalled: the scheduler could not make progress (no runnable work and no further arrivals)"
                 rec.status, rec.reason = "rejected", why
         return ClusterResult(self.records, [r.trace for r in self.replicas], [r.sched for r in self.replicas],
-                             float(self.env.now))
+                             float(self.env.now), stopped)

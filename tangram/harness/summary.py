@@ -60,6 +60,13 @@ def summarize(res: ClusterResult, engine: EngineConfig, executors: Sequence[Exec
     })
     if sum(x.prefix_turns for x in st):  # shared prefixes (only when the trace declares any: keys unchanged else)
         s.update(prefix_metrics(st, res.records, pb))
+    if res.stopped:  # an SLO monitor ended the replay: percentiles above cover only what finished by then
+        ttft = [(r.first_token_s if r.first_token_s is not None else res.end_s) - r.arrival_s
+                for r in res.records if r.arrival_s is not None]
+        s["stopped_early"] = res.stopped
+        s["stopped_at_s"] = res.end_s
+        # TTFT p99 of every turn that had arrived, the waiting ones counted at their wait so far (a lower bound)
+        s["ttft_p99_at_stop_s"] = float(np.percentile(ttft, 99)) if ttft else None
     return s
 
 

@@ -1,0 +1,212 @@
+"""Capacity search: early-stopped probes, saturation, brackets, simulated replica counts, the CLI's outputs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tangram.config import EngineConfig, get_gpu, get_model
+from tangram.harness import capacity_search, meets_slo
+from tangram.harness.capacity import replicas_search
+from tangram.harness.slo import DEFAULT_SLO, SLOMonitor, parse_slo, violations_needed
+from tangram.sim.cli import main
+from tangram.sim.run import simulate
+from tangram.spec import DeploymentSpec, default_profile
+from tangram.traces import Trace, Turn, generate, save_trace
+
+LLAMA, H100 = get_model("llama-3.1-8b"), get_gpu("h100-80gb")
+
+
+def _spec(mode="tangram", replicas=1, router="session-affinity", **eng) -> DeploymentSpec:
+    e = EngineConfig(mode=mode, **eng)
+    return DeploymentSpec(LLAMA, H100, e, default_profile(LLAMA, e.rho, e.alpha), replicas, router)
+
+
+@pytest.mark.parametrize("q", [50, 90, 99])
+def test_violations_needed_is_where_numpy_percentile_crosses(q):
+    """Against numpy itself: n values, m of them above the bound 1. With the others at 0 and the m just above 1
+    (the case where interpolation helps least), the percentile exceeds 1 exactly when m >= needed: the count is
+    sufficient whatever the values, and no smaller count is."""
+    for n in range(1, 260):
+        need = violations_needed(n, q)
+        for m in range(0, n + 1):
+            x = np.r_[np.zeros(n - m), np.full(m, 1.0 + 1e-9)]
+            assert (np.percentile(x, q) > 1.0) == (m >= need), (n, m, q)
+            if m >= need:  # any other values: still above
+                y = np.r_[np.random.default_rng(n).uniform(-5, 1, n - m), np.full(m, 1.0 + 1e-9)]
+                assert np.percentile(y, q) > 1.0
+
+
+def test_monitor_counts_waiting_turns_once_their_deadline_passes():
+    mon = SLOMonitor({"ttft_p99": 1.0, "tpot_p50": 0.1}, [10] * 100 + [1] * 100)
+    for rid in range(200):
+        mon.arrived(rid, 0.0)
+    assert mon.check(0.5) is None
+    # at t = 2 every turn still without a first token is certain to miss 1 s: 200 > 1% of 200
+    assert "ttft_p99" in mon.check(2.0)
+    mon2 = SLOMonitor({"tpot_p50": 0.1}, [11] * 10)
+    for rid in range(10):
+        mon2.arrived(rid, 0.0)
+        mon2.first_token(rid, 0.0)
+    assert mon2.check(0.99) is None  # 10 tokens at 0.1 s each may still finish by t = 1
+    for rid in range(5):
+        mon2.finished(rid, 0.5, 0.0)  # 0.05 s per token
+    assert mon2.check(1.01) is None  # 5 of 10 over: not yet more than half (the median can still be <= 0.1)
+    mon2.rejected(0)  # the most it can still finish drops to 9: 5 over certain
+    assert mon2.check(1.01) is not None
+
+
+def _overload_trace(n=40, rate=40.0, seed=2):
+    return generate(n, "short", seed=seed, rate=rate, turns="uniform:1:2", output_tokens="uniform:50:200")
+
+
+def test_early_stop_gives_the_full_runs_verdict_and_leaves_passing_runs_alone():
+    spec = _spec()
+    slo = parse_slo("ttft_p99=5s,tpot_p99=0.5s")
+    heavy = _overload_trace()
+    full, _ = simulate(heavy, spec, record_kv=False)
+    early, res = simulate(heavy, spec, record_kv=False, stop_slo=slo)
+    assert not meets_slo(full, slo) and not meets_slo(early, slo)
+    assert res.stopped and early["stopped_early"] and early["steps"] < full["steps"]
+    assert early["ttft_p99_at_stop_s"] > 5.0
+    light = _overload_trace(n=6, rate=0.05)
+    a, _ = simulate(light, spec, record_kv=False)
+    b, rb = simulate(light, spec, record_kv=False, stop_slo=slo)
+    assert meets_slo(a, slo) and rb.stopped is None
+    assert {k: v for k, v in a.items()} == {k: v for k, v in b.items()}
+
+
+def _fake_run(limit_rps: float, base: float, calls: list, served_rps: float = 0.0):
+    """A replay whose TTFT p99 is 1 s below ``limit_rps`` offered and 100 s above it; it serves at most
+    ``served_rps`` (the throughput a saturated run reports; 0: none reported)."""
+    def run(trace):
+        arr = [t.arrival_s for t in trace.turns if t.turn == 0]
+        rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+        calls.append(rate)
+        p99 = 1.0 if rate <= limit_rps else 100.0
+        return {"ttft_p99_s": p99, "completed": 10, "rejected_reasons": {}, "throughput_rps": min(rate, served_rps)}
+    return run
+
+
+def _line_trace(n=20, gap=1.0):
+    return Trace([Turn(f"s{i}:0", f"s{i}", 0, i * gap, 0.0, 100, 10) for i in range(n)])
+
+
+@pytest.mark.parametrize("start,served", [(0.01, 0.0), (1.0, 0.0), (37.0, 0.0), (1.0, 9.5), (1.0, 0.2)])
+def test_bracket_contains_the_limit_and_is_tight(start, served):
+    """Whatever the first guess (the burst's served rate, else ``start``), the bracket holds the limit."""
+    tr = _line_trace()
+    base = 20 / 19
+    calls = []
+    cap = capacity_search(tr, _fake_run(7.3, base, calls, served), {"ttft_p99": 10.0}, start=start, iters=12)
+    assert calls[0] > 1e6  # the burst first
+    lo, hi = cap["bracket_rps"]
+    assert cap["saturated"] and lo <= 7.3 < hi and hi / lo <= 1.08 + 1e-9
+    assert cap["max_rate_rps"] == pytest.approx(lo)
+    assert [p[2] for p in cap["probes"] if p[0] is not None] == sorted(
+        [p[2] for p in cap["probes"] if p[0] is not None], reverse=True)  # ok below, missed above
+
+
+def test_trace_too_small_to_saturate_is_said_so():
+    calls = []
+    cap = capacity_search(_line_trace(), _fake_run(float("inf"), 1.0, calls, 3.0), {"ttft_p99": 10.0})
+    assert cap["saturated"] is False and cap["max_rate_rps"] is None
+    assert "too small to saturate" in cap["note"] and cap["lower_bound_rps"] == 3.0
+    assert len(calls) == 1  # the burst alone answers: no doublings
+
+
+def test_slo_missed_at_any_rate_and_a_burst_only_trace_answer():
+    cap = capacity_search(_line_trace(), _fake_run(0.0, 1.0, []), {"ttft_p99": 10.0})
+    assert cap["max_rate_rps"] == 0.0 and "missed even at" in cap["note"]
+    burst = Trace([Turn(f"s{i}:0", f"s{i}", 0, 0.0, 0.0, 100, 10) for i in range(5)])
+    cap = capacity_search(burst, _fake_run(0.0, 1.0, []), {"ttft_p99": 10.0})
+    assert cap["max_rate_rps"] is None and "no arrival rate" in cap["note"]
+
+
+@pytest.mark.parametrize("start", [1, 3, 9])
+def test_replicas_search_finds_the_fewest(start):
+    seen = []
+
+    def run_n(trace, n):
+        seen.append(n)
+        return {"ttft_p99_s": 1.0 if n >= 4 else 50.0, "completed": 1, "rejected_reasons": {}}
+
+    out = replicas_search(_line_trace(), run_n, {"ttft_p99": 10.0}, 5.0, start)
+    assert out["replicas_needed"] == 4 and 3 in seen and 4 in seen
+    assert all(p[2] == (p[0] >= 4) for p in out["probes"])
+
+
+def test_replicas_needed_is_simulated_behind_the_router():
+    """The count comes from simulating clusters: n replicas meet the SLO at the target rate, n - 1 do not."""
+    spec = _spec(router="least-outstanding")
+    slo = parse_slo("ttft_p99=3s")
+    tr = _overload_trace(n=30, rate=1.0, seed=4)
+    from tangram.sim.run import replicas_needed
+
+    out = replicas_needed(tr, spec, "tangram", slo, 8.0, 1)
+    n = out["replicas_needed"]
+    assert n is not None and n >= 2
+    import dataclasses
+
+    scaled = tr.scaled(out["scale"])
+    ok_n = meets_slo(simulate(scaled, dataclasses.replace(spec, replicas=n), record_kv=False)[0], slo)
+    ok_less = meets_slo(simulate(scaled, dataclasses.replace(spec, replicas=n - 1), record_kv=False)[0], slo)
+    assert ok_n and not ok_less
+
+
+def _cli(tmp_path, *args, name="out"):
+    out = tmp_path / name
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--out", str(out), "--no-plots"])
+    assert e.value.code == 0
+    return out
+
+
+def test_cli_capacity_default_slo_and_unsaturated_trace(tmp_path, capsys):
+    tr = generate(3, "short", seed=1, rate=0.5, turns="uniform:1:1", output_tokens="uniform:8:16")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    out = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity")
+    txt = capsys.readouterr()
+    assert DEFAULT_SLO in txt.err and "unsaturated" in txt.out and "too small to saturate" in txt.out
+    m = json.loads((out / "metrics.json").read_text())["tangram"]
+    assert m["capacity_saturated"] is False and m["max_rate_rps"] is None
+    assert m["run"]["slo"] == parse_slo(DEFAULT_SLO)
+    assert "too small to saturate" in (out / "report.md").read_text()
+
+
+def test_cli_no_fast_forward_writes_the_same_metrics(tmp_path):
+    tr = generate(6, "short", seed=2, rate=1.0, turns="uniform:1:3", output_tokens="uniform:40:160")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    a = _cli(tmp_path, str(p), "--mode", "tangram,full", name="a")
+    b = _cli(tmp_path, str(p), "--mode", "tangram,full", "--no-fast-forward", name="b")
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+    assert (a / "requests.csv").read_bytes() == (b / "requests.csv").read_bytes()
+
+
+def test_cli_jobs_gives_the_same_files(tmp_path):
+    tr = generate(5, "short", seed=3, rate=1.0, turns="uniform:1:2", output_tokens="uniform:40:160")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    a = _cli(tmp_path, str(p), "--mode", "tangram,full", "--capacity", "--slo", "ttft_p99=2s", name="a")
+    b = _cli(tmp_path, str(p), "--mode", "tangram,full", "--capacity", "--slo", "ttft_p99=2s", "--jobs", "2",
+             name="b")
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+
+
+def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
+    """A capacity trial on a three-request trace with a loose SLO: the tuner records saturated=False and the load
+    as the burst's served rate (a lower bound), not a capped rate from doubling."""
+    from tangram.budgets import synthetic_profile
+    from tangram.tuning.objective import Evaluator
+    from tangram.tuning.space import SearchSpace, paper_default_params
+
+    tr = generate(3, "short", seed=1, rate=0.5, turns="uniform:1:1", output_tokens="uniform:8:16")
+    space = SearchSpace.for_model(LLAMA, fixed={"mode": "tangram"})
+    ev = Evaluator(LLAMA, H100, space, synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0),
+                   tr, parse_slo("ttft_p99=60s"), overflow_samples=8)
+    out = ev(paper_default_params())
+    assert out["saturated"] is False and out["load_rps"] > 0 and "too small" in out["capacity_note"]
+    assert out["sims"] == 1
