@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from tangram.budgets import head_groups, synthetic_profile
 from tangram.errors import ConfigError
+from tangram.engine.split_table import AotSplitTable
 from tangram.planner import pow2_bucket
 from tangram.kernels import (
-    AotSplitTable, DeviceLimits, KernelResources, decode_n_cta, keep_budget, monolithic_layer_view,
+    DeviceLimits, KernelResources, decode_n_cta, keep_budget, monolithic_layer_view,
     occupancy_blocks_per_sm, paged_decode, prefill_compress, runtime_plan_decode, runtime_plan_schedules,
     static_split_decode,
 )
