@@ -233,7 +233,7 @@ def test_decode_graph_path_equals_eager(tiny, mode):
     graph, r1 = _served(model, cfg, prof, mode, "emulate", tr, cuda_graph_max_bs=4)
     assert eager.graphs is None and graph.graphs is not None
     st = graph.graphs.stats
-    assert st.replays > 0 and (4, 0 if mode == "tangram" else 1024) in st.keys
+    assert st.replays > 0 and (4, 1024) in st.keys  # aot: the canonical context bucket of the split maps
     if mode == "full":
         assert st.regrows >= 1
     assert graph.streams == eager.streams
@@ -294,28 +294,29 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
 
 
 def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
-    """Per-head keep counts reach select_keep as device tensors from one pinned copy per step: a numpy array
-    uploaded with a plain ``.to(device)`` inside the layer loop would synchronise the stream once per layer and
-    chunk on the GPU (the host could no longer run ahead of the kernels)."""
+    """Per-head keep counts reach the selection as device tensors (views of the step's one pinned upload): a numpy
+    array uploaded with a plain ``.to(device)`` inside the layer loop would synchronise the stream once per layer
+    on the GPU. Every chunk keeps exactly its counts (clipped to the chunk), and the step's chunks of a layer go
+    through one selection call."""
     import tangram.engine.executor as ex
-    from tangram.kernels import select_keep as real
+    from tangram.kernels import select_scatter as real
 
     calls = []
 
-    def spy(scores, keep_counts=None, global_keep=None, counts=None):
-        calls.append(counts is not None or global_keep is not None)
-        mask, got = real(scores, keep_counts, global_keep, counts)
-        if counts is not None:  # same selection as uploading the counts here
-            ref_mask, ref_counts = real(scores, keep_counts)
-            assert torch.equal(mask, ref_mask) and torch.equal(got, ref_counts)
-        return mask, got
+    def spy(scores, k, v, cu, max_chunk, counts, *a, **kw):
+        kept = real(scores, k, v, cu, max_chunk, counts, *a, **kw)
+        calls.append((counts is None or isinstance(counts, torch.Tensor), cu.numel() - 1))
+        if counts is not None:
+            c = (cu[1:] - cu[:-1]).long()
+            assert torch.equal(kept.long(), torch.minimum(counts.long(), c[:, None]))
+        return kept
 
-    monkeypatch.setattr(ex, "select_keep", spy)
+    monkeypatch.setattr(ex, "select_scatter", spy)
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    for mode in ("tangram", "uniform", "dynamic"):
-        spec = SimSpec(cfg, get_gpu("h100"), engine(mode), prof)
+    for mode in ("tangram", "uniform", "dynamic", "full"):
+        spec = SimSpec(cfg, get_gpu("h100"), engine(mode, max_batched_tokens=64, kv_pool_bytes=300_000), prof)
         summ, _, leak = run_mode(small_trace(sessions=2), spec, mode, model, device=CPU, warmup=False,
                                  dynamic_keep="profile" if mode == "dynamic" else "topk")
         assert summ["completed"] == 4 and leak["ok"]
-    assert calls and all(calls)
+    assert calls and all(ok for ok, _ in calls) and max(n for _, n in calls) >= 2  # chunks of a step batched
