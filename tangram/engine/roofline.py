@@ -191,11 +191,15 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
 
     dev = args.device
     L, H = cfg.num_layers, cfg.num_kv_heads
+    if dev.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # blocks the caching allocator holds count as used in mem_get_info
     free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 2**31
     # the largest point's pages, at most what is free after a reserve for activations, graphs and logits
     probe = TimedScheduler(cfg, eng, prof, num_pages=1)
     ratio = probe.keep_ratio
-    top = np.ceil(ratio * (max(args.contexts) + args.steps + 8)).astype(np.int64)
+    grow = args.steps + 3 + args.profile_steps + 3 + 8  # tokens a point's rows grow by (timed, profiled, events)
+    top = np.ceil(ratio * (max(args.contexts) + grow)).astype(np.int64)
     need_b = int(max(args.batches) * probe.layout.pages_for(probe.layout.table_lens(top[None])[0]).sum()
                  * probe.layout.page_bytes * 1.02) + 2**26
     pool_b = int(min(need_b, free - (args.reserve_gib * 2**30 if dev.type == "cuda" else 0)))
@@ -236,7 +240,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     for batch in args.batches:
         for ctx in args.contexts:
             lens0 = np.minimum(ctx, np.ceil(ratio * ctx - 1e-9)).astype(np.int64)  # [L, H] slot order
-            lens_end = lens0 + args.steps + 8
+            lens_end = lens0 + grow
             tabs, aliased, distinct = point_tables(sched, batch, lens_end, sched.pool.num_pages, rng)
             sched.bt = tabs
             lens = np.repeat(lens0[None], batch, axis=0)
@@ -297,7 +301,7 @@ def profile_steps(exe, next_plan, n: int) -> dict:
             exe.execute(p)
         return {"profiler": "no CUDA device"}
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
         for p in plans:
             exe.execute(p)
             torch.cuda.synchronize()
