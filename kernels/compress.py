@@ -116,9 +116,11 @@ def _snapkv_varlen_kernel(
     Q, KN, LSE, HEAD2SLOT, CU, OUT,
     window, qk_scale,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_lh, stride_oi, stride_oh,
-    GQ: tl.constexpr, D: tl.constexpr, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    GQ: tl.constexpr, GQ_P2: tl.constexpr, D: tl.constexpr, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Raw SnapKV score of a block of one chunk's new keys of one KV head (0 past the chunk's end)."""
+    """Raw SnapKV score of a block of one chunk's new keys of one KV head (0 past the chunk's end): the head's
+    ``GQ`` query heads' window rows stacked into one ``[GQ * W, D]`` operand, one dot."""
     h = tl.program_id(0)
     nb = tl.program_id(1)
     i = tl.program_id(2)
@@ -132,25 +134,25 @@ def _snapkv_varlen_kernel(
         return
     w = tl.minimum(window, c)
     offs_d = tl.arange(0, D)
-    offs_w = tl.arange(0, W_BLOCK)
-    rows = c - w + offs_w
-    mask_w = offs_w < w
+    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
+    gi = offs_r // W_BLOCK
+    rows = c - w + offs_r % W_BLOCK
+    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
+    qh = h * GQ + gi
     mask_n = offs_n < c
     kr = (row0 + offs_n).to(tl.int64)
     qr = (row0 + rows).to(tl.int64)
     k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    ok = mask_w[:, None] & mask_n[None, :] & (offs_n[None, :] <= rows[:, None])
-    for gi in tl.static_range(GQ):
-        qh = h * GQ + gi
-        q = tl.load(Q + qr[:, None] * stride_qt + qh * stride_qh + offs_d[None, :], mask=mask_w[:, None], other=0.0)
-        lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_w, other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        p = tl.exp2(sc * qk_scale - lse[:, None])
-        acc += tl.sum(tl.where(ok, p, 0.0), 0)
+    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
+                other=0.0)
+    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    p = tl.exp2(sc * qk_scale - lse[:, None])
+    ok = mask_r[:, None] & mask_n[None, :] & (offs_n[None, :] <= rows[:, None])
+    acc = tl.sum(tl.where(ok, p, 0.0), 0)
     tl.store(out_ptr, tl.where(mask_n, acc, 0.0))
 
 
@@ -169,9 +171,9 @@ def _pooled(S, offs, c, POOL: tl.constexpr):
 
 @triton.jit
 def _order_key(s):
-    """An int64 that orders like the float32 ``s`` (negative floats: flip the magnitude bits)."""
+    """An int32 that orders like the float32 ``s`` (negative floats: flip the magnitude bits)."""
     b = s.to(tl.int32, bitcast=True)
-    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.int64)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
 
 @triton.jit
@@ -213,10 +215,10 @@ def _select_scatter_kernel(
             hi = tl.full([], 2147483647, tl.int64)
             for _ in range(32):  # largest T with #(key >= T) >= cnt: the cnt-th largest key
                 mid = lo + (hi - lo + 1) // 2
-                n_ge = tl.sum((valid & (key >= mid)).to(tl.int32), 0)
+                n_ge = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0)
                 lo = tl.where(n_ge >= cnt, mid, lo)
                 hi = tl.where(n_ge >= cnt, hi, mid - 1)
-            thr = lo
+            thr = lo.to(tl.int32)
             n_gt = tl.sum((valid & (key > thr)).to(tl.int32), 0)
             need_ties = cnt - n_gt  # ties at the threshold: the earliest tokens win
             before = valid & (offs < start)
@@ -322,10 +324,12 @@ def snapkv_scores_varlen(q, k, lse, cu: torch.Tensor, max_chunk: int, head_to_sl
     if kp == 0:
         return out
     block_n = min(64, CS)
+    gq_p2 = triton.next_power_of_2(gq)
+    w_block = max(16 // gq_p2 if gq_p2 < 16 else 1, triton.next_power_of_2(window))  # >= 16 stacked rows
     _snapkv_varlen_kernel[(H, triton.cdiv(CS, block_n), kp)](
         q, k, lse, head_to_slot, cu, out, window, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), out.stride(0), out.stride(1),
-        GQ=gq, D=d, W_BLOCK=max(16, triton.next_power_of_2(window)), BLOCK_N=block_n,
+        GQ=gq, GQ_P2=gq_p2, D=d, W_BLOCK=w_block, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, num_warps=4,
     )
     return out
@@ -339,16 +343,18 @@ def pool_scores(scores: torch.Tensor, pool_kernel: int = 7) -> torch.Tensor:
     return F.avg_pool1d(scores.reshape(kp * H, 1, CS), pool_kernel, stride=1, padding=pool_kernel // 2).view(kp, H, CS)
 
 
-def global_keep_counts(pooled: torch.Tensor, cu: torch.Tensor, global_keep: torch.Tensor) -> torch.Tensor:
+def global_keep_counts(pooled: torch.Tensor, cu: torch.Tensor, global_keep: torch.Tensor,
+                       max_keep: int | None = None) -> torch.Tensor:
     """Per-head counts ``[kp, H]`` int32 of each chunk's global top-``global_keep[i]`` over its ``H x c`` pooled
     scores (dynamic mode): the per-head top-count selection then keeps that same set (ties at the threshold go
-    to the first slots, the earliest tokens)."""
+    to the first slots, the earliest tokens). ``max_keep``: ``global_keep.max()`` known on the host (else read
+    back from the device, a sync)."""
     kp, H, CS = pooled.shape
     c = (cu[1:] - cu[:-1]).long()
     valid = torch.arange(CS, device=pooled.device)[None, :] < c[:, None]  # [kp, CS]
     s = pooled.masked_fill(~valid[:, None, :], float("-inf")).reshape(kp, -1)
     gk = torch.minimum(global_keep.long(), c * H)
-    kmax = max(1, int(gk.max())) if gk.numel() else 1
+    kmax = max(1, int(max_keep if max_keep is not None else (gk.max() if gk.numel() else 1)))
     top = s.topk(min(kmax, s.shape[1]), dim=1).values  # [kp, kmax] descending
     thr = top.gather(1, (gk - 1).clamp(min=0)[:, None])[:, :, None]  # the gk-th largest score
     n_gt = ((pooled > thr) & valid[:, None, :]).sum(2)
@@ -388,7 +394,9 @@ def select_scatter(scores, k, v, cu: torch.Tensor, max_chunk: int, counts, kv_po
         block_table.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         kept.stride(0),
         HP=heads_per_group, P=page_size, D=d, C_BLOCK=scores.shape[2] if select else 16, BLOCK_T=block_t,
-        POOL=pool_kernel if select else 1, SELECT=select, num_warps=4,
+        POOL=pool_kernel if select else 1, SELECT=select,
+        # the threshold search is 32 reductions over the chunk's scores: fewer warps, cheaper reductions
+        num_warps=2 if not select or scores.shape[2] <= 1024 else 4,
     )
     return kept
 

@@ -76,7 +76,11 @@ def predict(cases: list[dict], costs: DecodeCosts, n_occ: int) -> np.ndarray:
                                         head_dim=c["d"]).mean() for c in cases])
 
 
-def fit(tables_dir: Path, max_rows: int = 400) -> tuple[DecodeCosts, dict]:
+def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = ()) -> tuple[DecodeCosts, dict]:
+    """Fit on the folder's decode table plus ``extra`` decode tables of the same GPU (their ``static_split``
+    rows only: an AOT row's map depends on the costs it was chosen with, which only the folder's rows
+    reproduce, being from before the regime choice)."""
+    import pandas as pd
     from scipy.optimize import least_squares
 
     t = CostTables.load(tables_dir)
@@ -84,7 +88,11 @@ def fit(tables_dir: Path, max_rows: int = 400) -> tuple[DecodeCosts, dict]:
         raise ConfigError(f"{tables_dir}: no decode_attention.csv to fit")
     n_occ, _ = t.n_cta(int(t.meta.get("sm_count", 132)))
     num_sms = int(t.meta.get("sm_count", 132))
-    cases = row_cases(t.decode, n_occ, num_sms, max_rows)
+    df = t.decode
+    for p in extra:
+        e = pd.read_csv(p)
+        df = pd.concat([df, e[e["kernel"] == "static_split"]], ignore_index=True)
+    cases = row_cases(df, n_occ, num_sms, max_rows)
     if len(cases) < 10:
         raise ConfigError(f"{tables_dir}/decode_attention.csv: only {len(cases)} static_split/tangram_aot rows")
     meas = np.array([c["meas"] for c in cases])
@@ -96,7 +104,19 @@ def fit(tables_dir: Path, max_rows: int = 400) -> tuple[DecodeCosts, dict]:
         c = DecodeCosts(**dict(zip(names, np.exp(x))))
         return np.log(predict(cases, c, n_occ) / meas)
 
-    res = least_squares(resid, x0, method="trf", x_scale=1.0, max_nfev=200)
+    # physical bounds: a launch streams at most the copy bandwidth; a lone CTA (head_dim 128) keeps a few tiles in
+    # flight per round trip (10-100 GB/s); without them a table with no few-CTA rows lets cta_bw run to infinity
+    copy = t.copy_bandwidth() or start.bw / 0.94
+    lo = np.log([0.7 * copy, 1e10, 2e-7, 1e-6, 5e-7])
+    hi = np.log([1.0 * copy, 1e11, 1e-5, 2e-5, 2e-5])
+    best = None
+    for cta in np.geomspace(1e10, 1e11, 6):  # the surface has local minima along cta_bw: start from a grid
+        x = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        x[1] = np.log(cta)
+        res = least_squares(resid, x, bounds=(lo, hi), method="trf", max_nfev=100)
+        if best is None or res.cost < best.cost:
+            best = res
+    res = best
     costs = DecodeCosts(**dict(zip(names, np.exp(res.x))),
                         source=f"fitted on {len(cases)} rows of {tables_dir.name}/decode_attention.csv")
     err = np.abs(predict(cases, costs, n_occ) / meas - 1)
@@ -104,13 +124,16 @@ def fit(tables_dir: Path, max_rows: int = 400) -> tuple[DecodeCosts, dict]:
     stats = {k: {"rows": int((kinds == k).sum()), "median_abs_rel_err": float(np.median(err[kinds == k])),
                  "p90_abs_rel_err": float(np.quantile(err[kinds == k], 0.9))} for k in KERNELS if (kinds == k).any()}
     return costs, {"n_occ": n_occ, "fit": stats, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                   "command": f"python -m tangram.sim.fit_decode {tables_dir}"}
+                   "command": f"python -m tangram.sim.fit_decode {tables_dir}"
+                   + "".join(f" --extra {p}" for p in extra)}
 
 
 def _parser():
     p = argparse.ArgumentParser(prog="python -m tangram.sim.fit_decode", description=__doc__.splitlines()[0])
     p.add_argument("tables", nargs="?", default=str(TABLES_ROOT / "h100"), help="tables folder (default %(default)s)")
     p.add_argument("--max-rows", type=int, default=400, help="rows sampled for the fit (default %(default)s)")
+    p.add_argument("--extra", nargs="*", default=[], help="more decode_attention.csv files of the same GPU "
+                   "(their static_split rows join the fit)")
     return p
 
 
@@ -118,7 +141,7 @@ def _parser():
 def main(argv=None) -> int:
     a = parse_cli(_parser(), argv)
     d = Path(a.tables)
-    costs, info = fit(d, a.max_rows)
+    costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra])
     costs.to_json(d / DecodeCosts.FILENAME, info)
     print(json.dumps({**{k: getattr(costs, k) for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")}, **info},
                      indent=1))

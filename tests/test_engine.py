@@ -320,3 +320,34 @@ def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
                                  dynamic_keep="profile" if mode == "dynamic" else "topk")
         assert summ["completed"] == 4 and leak["ok"]
     assert calls and all(ok for ok, _ in calls) and max(n for _, n in calls) >= 2  # chunks of a step batched
+
+@pytest.mark.parametrize("mode", ["tangram", "dynamic", "full"])
+def test_device_block_table_mirror_follows_the_scheduler(tiny, mode):
+    """The executor keeps the block table on the device from the scheduler's write log: under evictions,
+    preemptions, parking and the dynamic mode's reclaim, every step's rows read exactly the scheduler's pages."""
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    eng = engine(mode, kv_pool_bytes=60_000)  # tight: sessions are evicted and re-prefilled
+    sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
+    exe = Executor(model, sched, TokenSource(cfg.vocab, seed=3), ExecutorOptions(cuda_graphs="emulate",
+                                                                                  dynamic_keep="profile"))
+    checked = [0]
+    real = exe.execute
+
+    def checked_execute(plan):
+        res = real(plan)
+        rows = np.concatenate([plan.decode_rows, plan.prefill_rows]).astype(np.int64)
+        if rows.size:
+            npg = sched.bt.npages[rows]
+            dev = exe._bt_dev.numpy()[rows]
+            for r in range(rows.size):
+                for t in range(npg.shape[1]):
+                    n = int(npg[r, t])
+                    assert np.array_equal(dev[r, t, :n], sched.bt.pages[rows[r], t, :n]), (plan.step, r, t)
+            checked[0] += 1
+        return res
+
+    exe.execute = checked_execute
+    res = Cluster(small_trace(sessions=3, first=(29, 90, 41), out=7), [(sched, exe)]).run()
+    assert all(r.status == "finished" for r in res.records) and leak_check(sched)["ok"]
+    assert checked[0] > 10 and sched.stats.session_evictions + sched.stats.preemptions > 0

@@ -97,9 +97,11 @@ class Sweeps:
                         lens = torch.from_numpy(lens0[None]).to(self.dev)
                         counts_np, _ = pre.keep_budget("tangram", c, H, ratios=ratios_slot)
                         counts = torch.from_numpy(np.minimum(counts_np, c).astype(np.int32)[None]).to(self.dev)
-                        gk = torch.tensor([int(np.ceil(0.25 * H * c - 1e-9))], device=self.dev)
+                        gk_host = int(np.ceil(0.25 * H * c - 1e-9))
+                        gk = torch.tensor([gk_host], device=self.dev)
                         calls.append(dict(pool=pool, bt=bt, s2h=s2h, h2s=h2s, q=q, k=k, v=v, lens=lens,
-                                          counts=counts, counts_np=counts_np, gk=gk, out=torch.empty_like(q),
+                                          counts=counts, counts_np=counts_np, gk=gk, gk_host=gk_host,
+                                          out=torch.empty_like(q),
                                           ntok=int(lens0.sum())))
                     cu = torch.tensor([0, c], dtype=torch.int32, device=self.dev)
                     lse = [cmp.prefill_attention_varlen(x["q"], x["k"], x["v"], cu, c, x["pool"], x["bt"], x["lens"],
@@ -128,7 +130,7 @@ class Sweeps:
                     def select_dyn():
                         for i, x in enumerate(calls):
                             pooled = cmp.pool_scores(raw[i])
-                            cnt = cmp.global_keep_counts(pooled, cu, x["gk"])
+                            cnt = cmp.global_keep_counts(pooled, cu, x["gk"], x["gk_host"])
                             cmp.select_scatter(pooled, x["k"], x["v"], cu, c, cnt, x["pool"], x["bt"], x["lens"],
                                                x["s2h"], page_size=P, heads_per_group=Hp, pool_kernel=1)
                     t_att = time_graph(attn)[0] / n_calls

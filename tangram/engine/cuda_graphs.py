@@ -149,12 +149,13 @@ class DecodeGraphs:
         self.stats.regrows += 1
 
     # ------------------------------------------------------------------ step
-    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: np.ndarray, lens: np.ndarray, ctx: int,
+    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: torch.Tensor, lens: np.ndarray, ctx: int,
             to_device: Callable[[np.ndarray], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step of ``kd = len(tokens)`` rows: inputs into the static buffers (one host-to-device copy),
-        replay; returns the rows' logits ``[kd, vocab]`` and greedy tokens ``[kd]`` (None unless greedy), valid
-        until the next replay. A key nobody captured ahead is captured first (its time lands in this step),
-        since a capture overwrites the buffers with scratch rows."""
+        """One decode step of ``kd = len(tokens)`` rows (``tables``: their ``[kd, T, w]`` block tables, already on
+        the device): inputs into the static buffers (one host-to-device copy), replay; returns the rows' logits
+        ``[kd, vocab]`` and greedy tokens ``[kd]`` (None unless greedy), valid until the next replay. A key nobody
+        captured ahead is captured first (its time lands in this step), since a capture overwrites the buffers
+        with scratch rows."""
         kd = len(tokens)
         bs = self.bucket(kd)
         w = tables.shape[2]
@@ -162,14 +163,13 @@ class DecodeGraphs:
             self._regrow(w)
         graph = self._graphs.get((bs, ctx)) or self._capture(bs, ctx)
         b = self.bufs
-        nt, nl = tables.size, lens.size
+        nl = lens.size
         packed = to_device(np.concatenate([np.asarray(tokens, np.int32), np.asarray(pos, np.int32),
-                                           tables.astype(np.int32, copy=False).reshape(-1),
                                            lens.astype(np.int32, copy=False).reshape(-1)]))
         b.tokens[:kd].copy_(packed[:kd])
         b.pos[:kd].copy_(packed[kd:2 * kd])
-        b.tables[:kd, :, :w].copy_(packed[2 * kd:2 * kd + nt].view(tables.shape))
-        b.lens[:kd].copy_(packed[2 * kd + nt:2 * kd + nt + nl].view(lens.shape))
+        b.lens[:kd].copy_(packed[2 * kd:2 * kd + nl].view(lens.shape))
+        b.tables[:kd, :, :w].copy_(tables)
         if kd < bs:
             self._park_rows(kd, bs)
         graph() if self.emulate else graph.replay()

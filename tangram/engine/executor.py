@@ -217,6 +217,8 @@ class Executor:
             raise ConfigError(f"dynamic_keep must be topk or profile, got {self.opts.dynamic_keep!r}")
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
             raise ConfigError("dynamic_keep='profile' needs a budget profile")
+        self._bt_dev: torch.Tensor | None = None  # device mirror of the scheduler's block table
+        self._bt_src = None
         self.graphs: DecodeGraphs | None = None
         cg = self.opts.cuda_graphs
         if cg not in ("auto", "off", "emulate"):
@@ -331,6 +333,34 @@ class Executor:
             off += f.size
         return out
 
+    def _tables_dev(self) -> torch.Tensor:
+        """The scheduler's block table ``[rows, T, cap]`` on the device, kept current from its write log: a step
+        uploads only the page ids written since the last one (at H_p 1 a decode row has 256 tables, and copying
+        the rows' whole tables every step was 21-80 MB of host gathering and transfer at batch 64)."""
+        bt = self.sched.bt
+        if (self._bt_dev is None or self._bt_src is not bt or tuple(self._bt_dev.shape) != bt.pages.shape
+                or not hasattr(bt, "take_writes")):
+            self._bt_dev = self.cache.to_device(bt.pages).clone()  # a copy (on the CPU to_device shares memory)
+            self._bt_src = bt
+            if hasattr(bt, "track_writes"):
+                bt.track_writes()
+            return self._bt_dev
+        w = bt.take_writes()
+        if w is None:  # tracking was switched off behind our back: start over
+            bt.track_writes()
+            self._bt_dev = self.cache.to_device(bt.pages).clone()
+        elif w.size:
+            wd = self.cache.to_device(w.astype(np.int32)).long()
+            self._bt_dev[wd[:, 0], wd[:, 1], wd[:, 2]] = wd[:, 3].int()
+        return self._bt_dev
+
+    def _rows_tables(self, rows: np.ndarray) -> tuple[torch.Tensor, int]:
+        """(``[len(rows), T, w]`` device tables of the rows, w) with w their widest table's pages."""
+        w = max(1, int(self.sched.bt.npages[rows].max())) if len(rows) else 1
+        dev = self._tables_dev()
+        idx = self.cache.to_device(np.asarray(rows, dtype=np.int64))
+        return dev.index_select(0, idx)[:, :, :w], w
+
     def _layers(self, tok_t: torch.Tensor, pos_t: torch.Tensor, st: dict) -> torch.Tensor:
         """The decoder stack over the step's tokens; returns the final-normed hidden states [N, hidden].
 
@@ -375,11 +405,9 @@ class Executor:
         arrays = {"tok": np.asarray(ids), "pos": np.asarray(pos),
                   "rows": np.asarray(list(range(kd)) + last)}  # logits only for the rows that sample
         if kd:
-            arrays["dec_tables"] = self.sched.bt.pages[plan.decode_rows]
             arrays["dec_lens"] = plan.decode_head_lens
         keep = None
         if kp:
-            arrays["pf_tables"] = self.sched.bt.pages[plan.prefill_rows]
             arrays["pf_lens"] = plan.prefill_head_lens
             arrays["cu"] = np.asarray(bounds) - kd
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
@@ -390,7 +418,12 @@ class Executor:
                 arrays["keep"] = np.minimum(keep, plan.prefill_tokens[:, None, None])
             elif self.retention == "global":  # the layer's global top-k of each chunk
                 arrays["gk"] = np.ceil(self.engine.rho * H * plan.prefill_tokens - 1e-9)
+                gk_max = int(arrays["gk"].max())
         st = dict(self._upload(arrays), kd=kd, kp=kp, bounds=bounds, ops=ops)
+        if kd:
+            st["dec_tables"], _ = self._rows_tables(plan.decode_rows)
+        if kp:
+            st["pf_tables"], _ = self._rows_tables(plan.prefill_rows)
         host_plan_s = 0.0
         if kd:
             if self.partition == "aot":
@@ -406,19 +439,18 @@ class Executor:
                 st["max_len"] = plan.decode_head_lens.max(axis=(0, 2)).tolist()
         if kp:
             st["max_chunk"] = int(plan.prefill_tokens.max())
+            st["gk_max"] = gk_max if "gk" in arrays else None
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
         h = self._layers(st["tok"], st["pos"], st)
         return h.index_select(0, st["rows"]), st, host_plan_s
 
     def _forward_graph(self, plan: StepPlan, ids, pos) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows = plan.decode_rows
-        pages = self.sched.bt.pages
-        w = max(1, int(self.sched.bt.npages[rows].max()))
         if self.partition == "static":
             ctx = context_bucket(int(plan.decode_head_lens.max()))
         else:
             ctx = self.aot.canonical_context(plan.num_decode, int(plan.decode_ctx.max()))
-        return self.graphs.run(np.asarray(ids), np.asarray(pos), pages[rows, :, :w], plan.decode_head_lens, ctx,
+        tables, _ = self._rows_tables(plan.decode_rows)
+        return self.graphs.run(np.asarray(ids), np.asarray(pos), tables, plan.decode_head_lens, ctx,
                                self.cache.to_device)
 
     @torch.inference_mode()
@@ -523,7 +555,7 @@ class Executor:
                 select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, kept=realized, **kw)
             else:  # dynamic: the layer's global top-k of each chunk, as per-head counts over the pooled scores
                 pooled = pool_scores(scores)
-                counts = global_keep_counts(pooled, cu, st["gk"])
+                counts = global_keep_counts(pooled, cu, st["gk"], st["gk_max"])
                 select_scatter(pooled, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
                                **kw)
         ops.stop("compression")

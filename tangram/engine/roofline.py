@@ -129,6 +129,12 @@ class _Tables:
     def __init__(self, pages: np.ndarray, npages: np.ndarray):
         self.pages, self.npages = pages, npages
 
+    def track_writes(self):  # the executor's device mirror: these tables never change after the first upload
+        pass
+
+    def take_writes(self):
+        return np.zeros((0, 4), dtype=np.int64)
+
 
 def point_tables(sched, batch: int, lens_max: np.ndarray, num_pages: int, rng, extra_rows: int = 0,
                  extra_lens: np.ndarray | None = None):
