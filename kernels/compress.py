@@ -176,7 +176,8 @@ def _order_key(s):
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
 
-@triton.jit
+# max_pages (the step's widest table) takes any value: a specialisation per class would compile inside a run
+@triton.jit(do_not_specialize=["max_pages"])
 def _select_scatter_kernel(
     SC, KN, VN, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT,
     max_pages,
@@ -250,8 +251,10 @@ def _select_scatter_kernel(
 
 
 def score_width(max_chunk: int) -> int:
-    """Padded score row length for chunks of up to ``max_chunk`` tokens (a power of two >= 16)."""
-    return max(16, triton.next_power_of_2(int(max_chunk)))
+    """Padded score row length for chunks of up to ``max_chunk`` tokens: 1024 up to 1024 tokens, else the next
+    power of two. It is the selection kernel's block (a compile-time constant): two or three classes over a run
+    instead of one per power of two of the chunk lengths a trace produces (each a compile inside a timed step)."""
+    return max(1024, triton.next_power_of_2(int(max_chunk)))
 
 
 def prefill_attention_varlen(q, k, v, cu: torch.Tensor, max_chunk: int, kv_pool, block_table, head_lens,

@@ -166,7 +166,8 @@ def _rope_heads(row_ptr, COS, SIN, QN, n_heads, eps,
     return lo, hi
 
 
-@triton.jit
+# n_dec (the step's decode rows) takes any value: a specialisation per class would compile inside a run
+@triton.jit(do_not_specialize=["n_dec"])
 def _rope_qkv_kernel(
     QKV, COS, SIN, QN, KN, KV, BT, LENS, H2S,
     n_dec, eps,

@@ -3,7 +3,7 @@
 # (BEFORE, default ../before) and the simpy wheel (WHL, default ../whl):
 #   GPU checks (tests/gpu), the roofline of the engine after and before (same call, same machine), the kernel
 #   sweeps (decode AOT vs static with the regime choice, compression at 512..4096-token chunks).
-# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, SKIP (space list of: tests before kbench).
+# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, SKIP (space list of: tests after before kbench).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -24,8 +24,10 @@ if ! skip tests; then
   PYTHONPATH=/tmp/site_after:/tmp/site timeout ${TEST_LIMIT:-200} python3 -m pytest -m gpu -q -s -p no:cacheprovider \
     tests/gpu 2>&1 | tail -60 | tee $R/gpu_tests.log
 fi
-PYTHONPATH=/tmp/site_after:/tmp/site timeout ${ROOF_LIMIT:-240} python3 -m tangram.engine.roofline --out $R/after $ROOF \
-  $CFGS 2>&1 | tee $R/roofline_after.log | grep -v "^|"
+if ! skip after; then
+  PYTHONPATH=/tmp/site_after:/tmp/site timeout ${ROOF_LIMIT:-240} python3 -m tangram.engine.roofline --out $R/after \
+    $ROOF $CFGS 2>&1 | tee $R/roofline_after.log | grep -v "^|"
+fi
 if ! skip before; then
   (cd $BEFORE && mkdir -p reports/tuning/study && cp $ROOT/reports/tuning/study/best_config.json reports/tuning/study/ &&
    PYTHONPATH=/tmp/site_before:/tmp/site timeout ${ROOF_LIMIT:-240} python3 -m tangram.engine.roofline --out $R/before \
