@@ -7,8 +7,10 @@ of one KV head through the block table and writes a partial softmax state
 variants only differ in how the item list and the range of an item are made:
 
 * ``tangram_aot``  — split counts per head group come from the AOT split map
-  ``S[l, g]`` (Algorithm 1); items are precomputed once per (layer, batch
-  bucket) by :class:`AotSplitTable`, so a step does a table lookup, no planning.
+  ``S[l, g]`` (Algorithm 1, or no split, as the regime choice says); items are
+  precomputed once per (layer, batch bucket, context bucket) by the engine's
+  :class:`tangram.engine.split_table.AotSplitTable`, so a step does a table
+  lookup, no planning.
 * ``static_split`` — FlashDecoding's static ``num_splits`` for every head alike
   (baseline a).
 * ``runtime_plan`` — (request, head) varlen work with a per-layer plan
@@ -31,8 +33,7 @@ import torch
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
-from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, aot_bucket_split_map, aot_n_cta,
-                             pow2_bucket)
+from tangram.planner import aot_n_cta  # noqa: F401 - re-exported for the benchmarks
 from tangram.kernels._triton import runs_triton, tl, triton
 
 # ----------------------------------------------------------------------------- kernels
@@ -220,64 +221,6 @@ def static_schedule(num_heads: int, num_splits: int, device="cpu") -> LayerSched
     return schedule_from_split_map(np.full(num_heads, num_splits), 1, device)
 
 
-class AotSplitTable:
-    """Split maps and work items for every (layer, batch bucket, context bucket), computed once ahead of time.
-
-    Algorithm 1 sees only budget ratios, so it gives a short context as many
-    splits as a long one; splits of a few pages cost more (empty CTAs, a long
-    merge) than they balance. The table therefore also caps each group's
-    split count by its longest head's retained tokens at the context bucket
-    (powers of two) over ``min_split_tokens``. Both keys are known on the host
-    without touching the device, so :meth:`lookup` stays a dictionary access:
-    zero planning per step.
-    """
-
-    def __init__(self, B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, *, max_batch: int = 256,
-                 waves: float = 1.0, rounding: str = "round", min_split_tokens: int = AOT_MIN_SPLIT_TOKENS,
-                 max_splits: int = AOT_MAX_SPLITS, min_context: int = 1024, max_context: int = AOT_MAX_CONTEXT,
-                 device="cpu"):
-        B = np.asarray(B, dtype=np.float64)
-        check_group_size(B.shape[1], heads_per_group)  # aot_split_map itself does not check
-        self.heads_per_group, self.n_occ, self.waves = heads_per_group, n_occ, waves
-        self.min_split_tokens = min_split_tokens
-        self.split_maps: dict[tuple[int, int], np.ndarray] = {}
-        self._sched: dict[tuple[int, int, int], LayerSchedule] = {}
-        shared: dict[bytes, LayerSchedule] = {}
-        self.batch_buckets, self.ctx_buckets = [], []
-        b = 1
-        while True:
-            self.batch_buckets.append(b)
-            if b >= max_batch:
-                break
-            b *= 2
-        c = pow2_bucket(min_context)
-        while True:
-            self.ctx_buckets.append(c)
-            if c >= max_context:
-                break
-            c *= 2
-        for b in self.batch_buckets:
-            for c in self.ctx_buckets:
-                S = aot_bucket_split_map(B, perm, heads_per_group, n_occ, b, waves=waves, rounding=rounding, context=c,
-                                         min_split_tokens=min_split_tokens, max_splits=max_splits)
-                self.split_maps[(b, c)] = S
-                for l in range(S.shape[0]):
-                    key = S[l].tobytes()
-                    if key not in shared:
-                        shared[key] = schedule_from_split_map(S[l], heads_per_group, device)
-                    self._sched[(b, c, l)] = shared[key]
-
-    def lookup(self, layer: int, batch: int, max_context: int | None = None) -> LayerSchedule:
-        """Schedule of ``layer`` for a batch of ``batch`` requests whose longest context is ``max_context``
-        tokens (before compression; None = the largest bucket)."""
-        b = min(pow2_bucket(batch), self.batch_buckets[-1])
-        if max_context is None:
-            c = self.ctx_buckets[-1]
-        else:
-            c = min(max(pow2_bucket(max_context), self.ctx_buckets[0]), self.ctx_buckets[-1])
-        return self._sched[(b, c, layer)]
-
-
 # ----------------------------------------------------------------------------- launch
 
 
@@ -379,7 +322,7 @@ def paged_decode(q, kv_pool, block_table, head_lens, slot_to_head, split_map, *,
                  config: DecodeConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """Tangram decode for one layer with the AOT split map.
 
-    ``split_map`` is a :class:`LayerSchedule` from :meth:`AotSplitTable.lookup`
+    ``split_map`` is a :class:`LayerSchedule` from the engine's split table (``AotSplitTable.lookup``)
     (zero planning) or the layer's row ``S[l]`` ([G] ints; items are then
     built on the host, convenient for tests, not for the serving loop).
     """

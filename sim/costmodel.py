@@ -20,7 +20,8 @@ from tangram.config import EngineConfig, GPUConfig, ModelConfig
 from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
-from tangram.planner import aot_bucket_split_map, flashdecoding_num_splits, pow2_bucket, runtime_plan
+from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
+                             pow2_bucket, runtime_plan, wave_time)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -178,7 +179,12 @@ class CostModel:
         self.sources["decode_attention"] = (f"{src}; {cta_src}; {self.n_occ} resident CTAs ({n_cta_src}), "
                                             f"plans aim at {self.n_cta} (n_cta_scale {engine.n_cta_scale:g}); "
                                             f"partition={self.partition}")
-        self._split_maps: dict[int, np.ndarray] = {}
+        self._split_maps: dict[tuple[int, int], np.ndarray] = {}
+        # the AOT regime choice's launch costs: the same file the engine's split table reads (one choice)
+        self.decode_costs = DecodeCosts.load(self.tables.directory) if self.tables.directory is not None else None
+        if self.partition == "aot":
+            self.sources["decode_split_choice"] = self.decode_costs.source if self.decode_costs is not None else \
+                "default: Algorithm 1 capped per context bucket (no tables folder)"
         self._dec_cache = None
         self._static_splits: dict[tuple[int, int], int] = {}
         if self.partition == "aot":
@@ -327,17 +333,21 @@ class CostModel:
             return out, plan_s, []
         c, caches, i = self._dec_cache, [], 0
         ids = run.decode_ids
+        ctx = int(run.ctx0.max()) + np.arange(1, k + 1)  # the batch's longest context at each step
+        b0, b1 = decode_context_bucket(int(ctx[0])), decode_context_bucket(int(ctx[-1]))
+        bucket = np.full(k, b0) if b0 == b1 else np.array([decode_context_bucket(int(x)) for x in ctx])
         while i < k:
             if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
                 m = int(np.searchsorted(totals, c[1] * (1.0 + self.params.decode_refresh), side="right"))
+                m = i + int(np.argmin(np.append(bucket[i:m] == c[4], False))) if m > i else m  # same split map
                 if m > i:
                     fixed = c[3]
                     out[i:m] = fixed + (c[2] - fixed) * totals[i:m] / max(c[1], 1)
                     i = m
                     continue
-            t, _ = self._decode_attention(run.head_lens0 + (i + 1))
+            t, _ = self._decode_attention(run.head_lens0 + (i + 1), int(ctx[i]))
             out[i] = t
-            c = (ids.copy(), int(totals[i]), t, L * self.dec_launch)
+            c = (ids.copy(), int(totals[i]), t, L * self.dec_launch, int(bucket[i]))
             caches.append((i + 1, c))
             i += 1
         return out, None, caches
@@ -390,18 +400,22 @@ class CostModel:
         return float(tab[rows])
 
     # ------------------------------------------------------------------ decode attention
-    def split_map(self, batch: int) -> np.ndarray:
-        """The engine's AOT split map S[L, G] for a batch (one map per power-of-two bucket: a table lookup at run
-        time); every head of group g gets S[l, g] CTAs per request (:func:`tangram.planner.aot_bucket_split_map`)."""
+    def split_map(self, batch: int, context: int | None = None) -> np.ndarray:
+        """The engine's AOT split map S[L, G] for a batch whose longest logical context is ``context`` (one map
+        per power-of-two batch bucket and context bucket: a table lookup at run time); every head of group g gets
+        S[l, g] CTAs per request (:func:`tangram.planner.aot_bucket_split_map`, with the same decode costs)."""
         b = pow2_bucket(batch) if self.params.aot_batch_buckets else 1
-        S = self._split_maps.get(b)
+        c = decode_context_bucket(context) if context is not None else decode_context_bucket(1 << 30)
+        S = self._split_maps.get((b, c))
         if S is None:
-            lay = self.layout
+            lay, m = self.layout, self.model
             # B is already in slot order, so the identity permutation groups consecutive slots.
             ident = np.tile(np.arange(lay.num_kv_heads), (lay.num_layers, 1))
             S = aot_bucket_split_map(self._B_slots, ident, lay.heads_per_group, self.n_occ, b,
-                                     waves=self.engine.n_cta_scale, rounding=self.engine.split_rounding)
-            self._split_maps[b] = S
+                                     waves=self.engine.n_cta_scale, rounding=self.engine.split_rounding, context=c,
+                                     costs=self.decode_costs, gq=m.gqa_group, head_dim=m.head_dim,
+                                     dtype_bytes=m.dtype_bytes, num_sms=self.gpu.num_sms)
+            self._split_maps[(b, c)] = S
         return S
 
     def _static_split(self, batch_heads: int, n_blocks: int) -> int:
@@ -417,23 +431,25 @@ class CostModel:
         in retained tokens, is rescaled from it (the wave structure is unchanged; bytes grow linearly)."""
         lens = plan.decode_head_lens
         total = int(lens.sum())
+        ctx = int(plan.decode_ctx.max())
         c = self._dec_cache
         if (c is not None and self.partition != "runtime" and c[0].size == plan.decode_ids.size
-                and total <= c[1] * (1.0 + self.params.decode_refresh) and np.array_equal(c[0], plan.decode_ids)):
+                and total <= c[1] * (1.0 + self.params.decode_refresh) and np.array_equal(c[0], plan.decode_ids)
+                and c[4] == decode_context_bucket(ctx)):  # same context bucket: same split map
             fixed = c[3]
             return fixed + (c[2] - fixed) * total / max(c[1], 1), 0.0
-        t, plan_s = self._decode_attention(lens)
+        t, plan_s = self._decode_attention(lens, ctx)
         L = lens.shape[1]
-        self._dec_cache = (plan.decode_ids.copy(), total, t, L * self.dec_launch)
+        self._dec_cache = (plan.decode_ids.copy(), total, t, L * self.dec_launch, decode_context_bucket(ctx))
         return t, plan_s
 
-    def _decode_attention(self, lens: np.ndarray) -> tuple[float, float]:
+    def _decode_attention(self, lens: np.ndarray, context: int | None = None) -> tuple[float, float]:
         """Per layer: CTAs in launch order, dispatched in waves of the resident CTAs; a wave lasts as long as
         its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
         kd, L, H = lens.shape
         plan_s = 0.0
         if self.partition == "aot":
-            per_head = np.repeat(self.split_map(kd), self.layout.heads_per_group, axis=1)  # [L, H] in slot order
+            per_head = np.repeat(self.split_map(kd, context), self.layout.heads_per_group, axis=1)  # [L, H], slots
             reps = np.broadcast_to(per_head[:, None, :], (L, kd, H))  # launch order: request, slot, split
             size = lens.transpose(1, 0, 2) / reps
         elif self.partition == "static":
@@ -455,30 +471,8 @@ class CostModel:
         return t + combine + launches, plan_s
 
     def _waves(self, size_tokens: np.ndarray, reps: np.ndarray) -> float:
-        """Per layer: the CTAs before the last wave stream at full bandwidth (dynamic dispatch hides their
-        imbalance); the last wave is a straggler tail, priced as bandwidth shared by the CTAs still running,
-        each capped at one CTA's streaming rate (processor sharing over the tail's sorted sizes)."""
-        L = size_tokens.shape[0]
-        reps = reps.astype(np.int64)
-        per_layer = reps.sum(axis=1)  # CTAs per layer
-        flat = np.repeat(size_tokens.ravel() * self.tok_head_bytes, reps.ravel())
-        n = flat.size
-        if n == 0:
-            return 0.0
-        N = self.n_occ
-        layer_end = np.cumsum(per_layer)
-        layer_of = np.repeat(np.arange(L), per_layer)
-        from_end = layer_end[layer_of] - np.arange(n) - 1  # 0 = last CTA launched in the layer
-        tail_n = per_layer - N * np.maximum(0, -(-per_layer // N) - 1)
-        in_tail = from_end < tail_n[layer_of]
-        body = float(flat[~in_tail].sum()) / self.dec_bw
-        tail = np.zeros((L, N))
-        tail[layer_of[in_tail], from_end[in_tail]] = flat[in_tail]
-        tail.sort(axis=1)  # ascending; padding zeros first
-        diffs = np.diff(tail, axis=1, prepend=0.0)
-        active = N - np.arange(N)  # CTAs still running while the j-th smallest finishes
-        per_byte = np.maximum(active / self.dec_bw, 1.0 / self.cta_bw)
-        return body + float((diffs * per_byte[None, :]).sum())
+        """Per layer: CTAs in launch order in waves of the resident CTAs (:func:`tangram.planner.wave_time`)."""
+        return float(wave_time(size_tokens * self.tok_head_bytes, reps, self.n_occ, self.dec_bw, self.cta_bw).sum())
 
     # ------------------------------------------------------------------ prefill
     def _prefill_attention(self, plan: StepPlan) -> tuple[float, float]:

@@ -279,6 +279,27 @@ class BlockTable:
         self.lens = np.zeros((rows, T), dtype=np.int64)
         self._free_rows = list(range(rows - 1, -1, -1))
         self.rows_touched = 0  # table rows updated, for pricing host work
+        self._writes: list[np.ndarray] | None = None  # page ids written, when an executor mirrors the table
+
+    # -- write log (a device mirror updates itself from it instead of re-uploading the table every step)
+    def track_writes(self) -> None:
+        """Start logging every page id written (``ensure``, ``unpark``): :meth:`take_writes` hands them over.
+        Entries cleared by ``release_row``/``park``/``truncate`` are not logged: a row never reads past its
+        pages, and a page written there later is logged then."""
+        self._writes = []
+
+    def take_writes(self) -> np.ndarray | None:
+        """``[n, 4]`` int64 (row, table, column, page id) written since the last call; None when not tracking."""
+        if self._writes is None:
+            return None
+        w = np.concatenate(self._writes) if self._writes else np.zeros((0, 4), dtype=np.int64)
+        self._writes = []
+        return w
+
+    def _log(self, rows, tables, cols, ids) -> None:
+        if self._writes is not None:
+            self._writes.append(np.stack([np.asarray(rows, np.int64), np.asarray(tables, np.int64),
+                                          np.asarray(cols, np.int64), np.asarray(ids, np.int64)], axis=1))
 
     # -- rows
     def acquire_row(self) -> int:
@@ -341,6 +362,7 @@ class BlockTable:
         tt = np.repeat(np.arange(T), parked.npages)
         col = np.arange(parked.ids.size) - np.repeat(np.cumsum(parked.npages) - parked.npages, parked.npages)
         self.pages[row, tt, col] = parked.ids
+        self._log(np.full(tt.size, row), tt, col, parked.ids)
         self.npages[row] = parked.npages
         self.lens[row] = parked.lens
         return row
@@ -381,10 +403,12 @@ class BlockTable:
         ids = self.pool.alloc(total)
         if total == nz.size:  # one page per growing table (every decode step)
             self.pages[r_of, t_of, old] = ids
+            self._log(r_of, t_of, old, ids)
         else:
             rr, tt = np.repeat(r_of, cnt), np.repeat(t_of, cnt)
             off = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
             self.pages[rr, tt, np.repeat(old, cnt) + off] = ids
+            self._log(rr, tt, np.repeat(old, cnt) + off, ids)
         self.npages[r_of, t_of] = old + cnt
         self.rows_touched += int(nz.size)
         return total

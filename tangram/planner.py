@@ -10,7 +10,9 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -68,19 +70,223 @@ def aot_n_cta(n_occ: int, bucket: int, heads_per_group: int, waves: float = 1.0)
     return max(1, int(round(waves * n_occ / (bucket * heads_per_group))))
 
 
+MIN_CONTEXT_BUCKET = 1024
+
+
+def decode_context_bucket(max_context: int) -> int:
+    """The context bucket a decode step's longest logical context falls in: a power of two in [1024, 131072].
+    The split table, the decode CUDA graphs and the cost model key on it."""
+    return int(min(max(pow2_bucket(max(1, int(max_context))), MIN_CONTEXT_BUCKET), AOT_MAX_CONTEXT))
+
+
+@dataclass(frozen=True)
+class DecodeCosts:
+    """What a decode launch costs, to choose its split map ahead of time (fitted on a GPU's decode table by
+    ``tangram-fit-engine --decode-costs``; :meth:`default` otherwise).
+
+    A launch of CTAs, each streaming its piece of one head, runs in waves of ``n_occ`` resident CTAs: the waves
+    before the last stream at ``bw``; the last is a straggler tail where each CTA streams at most ``cta_bw``
+    (processor sharing of ``bw`` among the CTAs still running); every wave pays ``cta_s`` of fixed CTA latency
+    (block-table and first-tile round trips, the partial's write). A launch costs ``launch_s``; splitting any
+    head adds the merge kernel (``merge_s`` plus its partials' bytes)."""
+
+    bw: float = 2.85e12
+    cta_bw: float = 3.3e10  # one K and one V tile of 64 x 128 bf16 in flight per ~1 us round trip
+    cta_s: float = 2.0e-6
+    launch_s: float = 4.0e-6
+    merge_s: float = 3.0e-6
+    source: str = "default (not fitted)"
+
+    FILENAME = "decode_costs.json"
+
+    @classmethod
+    def default(cls, copy_bw: float | None = None) -> "DecodeCosts":
+        if copy_bw:
+            return cls(bw=0.94 * copy_bw, source="default, bw = 0.94 x measured copy bandwidth")
+        return cls()
+
+    @classmethod
+    def load(cls, directory: str | Path | None) -> "DecodeCosts":
+        """``decode_costs.json`` of a tables folder; else defaults (with its meta.json copy bandwidth, if any)."""
+        if directory is None:
+            return cls.default()
+        d = Path(directory)
+        p = d / cls.FILENAME
+        if p.exists():
+            try:
+                v = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+            names = {f for f in cls.__dataclass_fields__ if f != "source"}
+            missing = names - set(v)
+            if missing:
+                raise ConfigError(f"{p}: missing field(s) {sorted(missing)}")
+            return cls(**{k: float(v[k]) for k in names}, source=f"{p.name}: {v.get('source', '')}".strip())
+        copy = None
+        if (d / "meta.json").exists():
+            try:
+                copy = float(json.loads((d / "meta.json").read_text()).get("copy_gbps") or 0) * 1e9 or None
+            except (json.JSONDecodeError, TypeError, ValueError):
+                copy = None
+        return cls.default(copy)
+
+    def to_json(self, path: str | Path, extra: dict | None = None) -> None:
+        Path(path).write_text(json.dumps({**asdict(self), **(extra or {})}, indent=1) + "\n")
+
+
+def tables_dir(gpu_name: str) -> Path | None:
+    """The cost-table folder of a GPU preset (``h100-80gb`` -> ``.../sim/tables/h100``), found by path so the
+    engine reads the same data files as the simulator without importing it (repo or installed layout)."""
+    fam = gpu_name.lower().split("-")[0]
+    here = Path(__file__).resolve().parent
+    for root in (here / "sim" / "tables", here.parent / "sim" / "tables"):
+        if (root / fam).is_dir():
+            return root / fam
+    return None
+
+
+def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, cta_bw: float,
+              cta_s: float = 0.0) -> np.ndarray:
+    """Seconds per row (layer) of a launch whose CTAs come in launch order: ``reps[l, i]`` CTAs of
+    ``size_bytes[l, i]`` bytes each. The CTAs before the last wave stream at full bandwidth (dynamic dispatch
+    hides their imbalance); the last wave is a straggler tail priced as bandwidth shared by the CTAs still
+    running, each capped at one CTA's rate (processor sharing over the tail's sorted sizes); each wave adds
+    ``cta_s``. Shared by the AOT regime choice and the simulator's decode pricing."""
+    size_bytes = np.asarray(size_bytes, dtype=np.float64)
+    reps = np.asarray(reps).astype(np.int64)
+    L = size_bytes.shape[0]
+    per_layer = reps.sum(axis=1)
+    out = np.zeros(L)
+    flat = np.repeat(size_bytes.ravel(), reps.ravel())
+    n = flat.size
+    if n == 0:
+        return out
+    N = int(n_occ)
+    layer_end = np.cumsum(per_layer)
+    layer_of = np.repeat(np.arange(L), per_layer)
+    from_end = layer_end[layer_of] - np.arange(n) - 1  # 0 = last CTA launched in the layer
+    waves = -(-per_layer // N)
+    tail_n = per_layer - N * np.maximum(0, waves - 1)
+    in_tail = from_end < tail_n[layer_of]
+    body = np.bincount(layer_of[~in_tail], weights=flat[~in_tail], minlength=L) / bw
+    tail = np.zeros((L, N))
+    tail[layer_of[in_tail], from_end[in_tail]] = flat[in_tail]
+    tail.sort(axis=1)  # ascending; padding zeros first
+    diffs = np.diff(tail, axis=1, prepend=0.0)
+    active = N - np.arange(N)  # CTAs still running while the j-th smallest finishes
+    per_byte = np.maximum(active / bw, 1.0 / cta_bw)
+    return body + (diffs * per_byte[None, :]).sum(axis=1) + waves * cta_s
+
+
+def decode_layer_times(lens: np.ndarray, S: np.ndarray, heads_per_group: int, batch: int, n_occ: int,
+                       costs: DecodeCosts, *, gq: int, head_dim: int, dtype_bytes: int = 2) -> np.ndarray:
+    """Predicted seconds per layer [L] of one decode launch: ``batch`` requests whose heads hold ``lens``
+    [L, H] tokens (slot order), split as ``S`` [L, G] (every head of group g gets S[l, g] page-aligned pieces)."""
+    lens = np.asarray(lens, dtype=np.float64)
+    per_head = np.repeat(np.asarray(S, dtype=np.int64), heads_per_group, axis=1)  # [L, H]
+    tok_bytes = 2 * head_dim * dtype_bytes
+    t = _tiled_wave_time(lens / per_head * tok_bytes, per_head, batch, n_occ, costs) + costs.launch_s
+    split = per_head.max(axis=1) > 1
+    partial = batch * per_head.sum(axis=1) * gq * (head_dim + 2) * 4 * 2  # written by stage 1, read by the merge
+    return t + np.where(split, costs.merge_s + partial / costs.bw, 0.0)
+
+
+def _tiled_wave_time(size: np.ndarray, reps: np.ndarray, batch: int, n_occ: int, costs: DecodeCosts) -> np.ndarray:
+    """:func:`wave_time` of ``batch`` requests with the same per-request CTAs (``reps`` [L, H] CTAs of ``size``
+    bytes per head), without materialising the batch: the body is the total minus the last wave, whose CTAs are
+    the tail of the per-request sequence repeated in launch order."""
+    L = size.shape[0]
+    N = int(n_occ)
+    tail = np.zeros((L, N))
+    body = np.zeros(L)
+    waves = np.zeros(L)
+    for l in range(L):
+        one = np.repeat(size[l], reps[l])  # one request's CTAs in launch order (slot, split)
+        m = one.size
+        n = batch * m
+        w = -(-n // N)
+        tn = n - N * (w - 1)
+        t = one[(np.arange(n - tn, n)) % m]
+        tail[l, :tn] = t
+        body[l] = (batch * one.sum() - t.sum()) / costs.bw
+        waves[l] = w
+    tail.sort(axis=1)
+    diffs = np.diff(tail, axis=1, prepend=0.0)
+    active = N - np.arange(N)
+    per_byte = np.maximum(active / costs.bw, 1.0 / costs.cta_bw)
+    return body + (diffs * per_byte[None, :]).sum(axis=1) + waves * costs.cta_s
+
+
+SPLIT_CANDIDATE_WAVES = (0.5, 1.0, 2.0, 4.0)
+SPLIT_CANDIDATE_TOKENS = (64, 128, 256, 512)
+SPLIT_CANDIDATE_UNIFORM = (2, 4, 8, 16, 32)
+SPLIT_MARGIN = 0.05  # predicted gain a map needs over the FlashDecoding split to be chosen instead
+
+
 def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
                          waves: float = 1.0, rounding: str = "round", context: int = AOT_MAX_CONTEXT,
-                         min_split_tokens: int = AOT_MIN_SPLIT_TOKENS,
-                         max_splits: int = AOT_MAX_SPLITS) -> np.ndarray:
-    """The split map the engine launches for a batch bucket and context bucket: Algorithm 1 at
-    :func:`aot_n_cta`, each group capped at its longest head's retained tokens at ``context`` over
-    ``min_split_tokens`` (and ``max_splits``). The engine's split table and the simulator's cost model
-    both call this, so they price and launch the same CTAs."""
-    S = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, waves), rounding)
-    Bg = np.take_along_axis(np.asarray(B, dtype=np.float64), np.asarray(perm), axis=1)
+                         min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS,
+                         costs: DecodeCosts | None = None, gq: int = 4, head_dim: int = 128,
+                         dtype_bytes: int = 2, num_sms: int | None = None) -> np.ndarray:
+    """The split map the engine launches for a batch bucket and context bucket. The engine's split table and
+    the simulator's cost model both call this, so they price and launch the same CTAs.
+
+    Without ``costs``: Algorithm 1 at :func:`aot_n_cta`, each group capped at its longest head's retained
+    tokens at ``context`` over ``min_split_tokens`` (and ``max_splits``).
+
+    With ``costs`` (PersistentKV's regime routing, ahead of time): per layer, the cheapest by
+    :func:`decode_layer_times`, priced at 3/4 of the context bucket (its contexts lie in (c/2, c]), of no split
+    (one pass, no merge kernel), Algorithm 1's split above, and FlashDecoding's own split of every head (the
+    static baseline's CTAs, when ``num_sms`` is given), which is kept unless another is predicted
+    :data:`SPLIT_MARGIN` faster: the map never trades the baseline for a gain inside the model's error (measured on
+    the H100: AOT 0.82-0.91x static at batch 1-4 below 8K when the model alone chose). Without ``num_sms`` the
+    search also covers Algorithm 1 at :data:`SPLIT_CANDIDATE_WAVES` x the caps :data:`SPLIT_CANDIDATE_TOKENS` and
+    uniform splits :data:`SPLIT_CANDIDATE_UNIFORM`."""
+    B = np.asarray(B, dtype=np.float64)
+    Bg = np.take_along_axis(B, np.asarray(perm), axis=1)
     gmax = Bg.reshape(Bg.shape[0], -1, heads_per_group).max(axis=2)  # [L, G] longest head of each group
-    cap = np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
-    return np.minimum(S, cap)
+
+    def cap(T: int) -> np.ndarray:
+        return np.clip(np.floor(np.ceil(gmax * context) / T), 1, max_splits).astype(np.int32)
+
+    def alg1(w: float) -> np.ndarray:
+        return aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, w), rounding)
+
+    S0 = np.minimum(alg1(waves), cap(min_split_tokens))
+    if costs is None:
+        return S0
+    cands = [S0, np.ones_like(S0)]
+    lens = np.maximum(1.0, np.ceil(Bg * 0.75 * context))
+    if not num_sms:  # no baseline to fall back on: search finer and coarser maps too
+        for w in dict.fromkeys((waves,) + SPLIT_CANDIDATE_WAVES):
+            a = alg1(w)
+            cands += [np.minimum(a, cap(T)) for T in SPLIT_CANDIDATE_TOKENS]
+        c64 = cap(64)
+        cands += [np.minimum(np.full_like(S0, s), c64) for s in SPLIT_CANDIDATE_UNIFORM]
+    static = None
+    if num_sms:  # FlashDecoding's own split, every head alike: the baseline's CTAs exactly
+        block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)  # as static_split_num_splits
+        longest = int(np.ceil(Bg.max() * context))  # at the bucket's edge, where FlashDecoding would see it
+        ns = flashdecoding_num_splits(bucket * B.shape[1], num_sms, max(1, -(-longest // block_n)))
+        static = np.full_like(S0, ns)
+        cands.append(static)
+    cands = list({S.tobytes(): S for S in cands}.values())  # distinct maps, first occurrence kept (S0 first)
+    times = np.stack([decode_layer_times(lens, S, heads_per_group, bucket, n_occ, costs, gq=gq, head_dim=head_dim,
+                                         dtype_bytes=dtype_bytes) for S in cands])  # [n_cand, L]
+    if static is not None:
+        # under one wave, fewer CTAs than the baseline leave SMs idle: the model's lone-CTA rate is least certain
+        # there (measured on the H100: 102 vs 120 CTAs at batch 1 ran 0.95x), so such maps are not candidates
+        ctas = np.stack([S.sum(axis=1) * heads_per_group * bucket for S in cands])  # [n_cand, L]
+        st_ctas = static.sum(axis=1) * heads_per_group * bucket
+        times = np.where((ctas < st_ctas[None, :]) & (st_ctas[None, :] <= n_occ), np.inf, times)
+    best = times.argmin(axis=0)  # first (Algorithm 1 at the configured waves) on ties
+    out = np.stack(cands)[best, np.arange(S0.shape[0])].astype(np.int32)
+    if static is not None:  # keep the baseline's split unless the model predicts a clear gain (its error ~5%)
+        t_static = decode_layer_times(lens, static, heads_per_group, bucket, n_occ, costs, gq=gq, head_dim=head_dim,
+                                      dtype_bytes=dtype_bytes)
+        keep = times.min(axis=0) > (1.0 - SPLIT_MARGIN) * t_static
+        out[keep] = static[keep]
+    return out
 
 
 def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:

@@ -233,7 +233,7 @@ def test_decode_graph_path_equals_eager(tiny, mode):
     graph, r1 = _served(model, cfg, prof, mode, "emulate", tr, cuda_graph_max_bs=4)
     assert eager.graphs is None and graph.graphs is not None
     st = graph.graphs.stats
-    assert st.replays > 0 and (4, 0 if mode == "tangram" else 1024) in st.keys
+    assert st.replays > 0 and (4, 1024) in st.keys  # aot: the canonical context bucket of the split maps
     if mode == "full":
         assert st.regrows >= 1
     assert graph.streams == eager.streams
@@ -294,28 +294,60 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
 
 
 def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
-    """Per-head keep counts reach select_keep as device tensors from one pinned copy per step: a numpy array
-    uploaded with a plain ``.to(device)`` inside the layer loop would synchronise the stream once per layer and
-    chunk on the GPU (the host could no longer run ahead of the kernels)."""
+    """Per-head keep counts reach the selection as device tensors (views of the step's one pinned upload): a numpy
+    array uploaded with a plain ``.to(device)`` inside the layer loop would synchronise the stream once per layer
+    on the GPU. Every chunk keeps exactly its counts (clipped to the chunk), and the step's chunks of a layer go
+    through one selection call."""
     import tangram.engine.executor as ex
-    from tangram.kernels import select_keep as real
+    from tangram.kernels import select_scatter as real
 
     calls = []
 
-    def spy(scores, keep_counts=None, global_keep=None, counts=None):
-        calls.append(counts is not None or global_keep is not None)
-        mask, got = real(scores, keep_counts, global_keep, counts)
-        if counts is not None:  # same selection as uploading the counts here
-            ref_mask, ref_counts = real(scores, keep_counts)
-            assert torch.equal(mask, ref_mask) and torch.equal(got, ref_counts)
-        return mask, got
+    def spy(scores, k, v, cu, max_chunk, counts, *a, **kw):
+        kept = real(scores, k, v, cu, max_chunk, counts, *a, **kw)
+        calls.append((counts is None or isinstance(counts, torch.Tensor), cu.numel() - 1))
+        if counts is not None:
+            c = (cu[1:] - cu[:-1]).long()
+            assert torch.equal(kept.long(), torch.minimum(counts.long(), c[:, None]))
+        return kept
 
-    monkeypatch.setattr(ex, "select_keep", spy)
+    monkeypatch.setattr(ex, "select_scatter", spy)
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
-    for mode in ("tangram", "uniform", "dynamic"):
-        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode), prof)
+    for mode in ("tangram", "uniform", "dynamic", "full"):
+        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode, max_batched_tokens=64, kv_pool_bytes=300_000), prof)
         summ, _, leak = run_mode(small_trace(sessions=2), spec, mode, model, device=CPU, warmup=False,
                                  dynamic_keep="profile" if mode == "dynamic" else "topk")
         assert summ["completed"] == 4 and leak["ok"]
-    assert calls and all(calls)
+    assert calls and all(ok for ok, _ in calls) and max(n for _, n in calls) >= 2  # chunks of a step batched
+
+@pytest.mark.parametrize("mode", ["tangram", "dynamic", "full"])
+def test_device_block_table_mirror_follows_the_scheduler(tiny, mode):
+    """The executor keeps the block table on the device from the scheduler's write log: under evictions,
+    preemptions, parking and the dynamic mode's reclaim, every step's rows read exactly the scheduler's pages."""
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    eng = engine(mode, kv_pool_bytes=60_000)  # tight: sessions are evicted and re-prefilled
+    sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
+    exe = Executor(model, sched, TokenSource(cfg.vocab, seed=3), ExecutorOptions(cuda_graphs="emulate",
+                                                                                  dynamic_keep="profile"))
+    checked = [0]
+    real = exe.execute
+
+    def checked_execute(plan):
+        res = real(plan)
+        rows = np.concatenate([plan.decode_rows, plan.prefill_rows]).astype(np.int64)
+        if rows.size:
+            npg = sched.bt.npages[rows]
+            dev = exe._bt_dev.numpy()[rows]
+            for r in range(rows.size):
+                for t in range(npg.shape[1]):
+                    n = int(npg[r, t])
+                    assert np.array_equal(dev[r, t, :n], sched.bt.pages[rows[r], t, :n]), (plan.step, r, t)
+            checked[0] += 1
+        return res
+
+    exe.execute = checked_execute
+    res = Cluster(small_trace(sessions=3, first=(29, 90, 41), out=7), [(sched, exe)]).run()
+    assert all(r.status == "finished" for r in res.records) and leak_check(sched)["ok"]
+    assert checked[0] > 10 and sched.stats.session_evictions + sched.stats.preemptions > 0

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from tangram.budgets import head_groups, synthetic_profile
 from tangram.errors import ConfigError
+from tangram.engine.split_table import AotSplitTable
 from tangram.planner import pow2_bucket
 from tangram.kernels import (
-    AotSplitTable, DeviceLimits, KernelResources, decode_n_cta, keep_budget, monolithic_layer_view,
+    DeviceLimits, KernelResources, decode_n_cta, keep_budget, monolithic_layer_view,
     occupancy_blocks_per_sm, paged_decode, prefill_compress, runtime_plan_decode, runtime_plan_schedules,
     static_split_decode,
 )
@@ -273,3 +274,150 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
                            window=4)
     rpool, rlens = ref_scatter(pool, bt, lens, s2h, kn, vn, res.keep.numpy(), page_size=P, heads_per_group=2)
     assert torch.equal(pool2, rpool) and torch.equal(lens2, rlens)
+
+
+# ----------------------------------------------------------------------------- fused layer-loop kernels
+
+
+def _seed():
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_activation_and_rope_match_the_torch_code(dtype):
+    """One launch each, the torch code's roundings: fp32 to rounding order, bf16 within one bf16 ulp (the
+    interpreter truncates fp32 -> bf16 where the GPU rounds to nearest)."""
+    from tangram.kernels.fused import _torch_rms_norm, _torch_rope, add_rms_norm, rms_norm, rope_qkv, silu_mul
+
+    g = torch.Generator().manual_seed(_seed())
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+    x, r = torch.randn(5, 48, generator=g).to(dtype), torch.randn(5, 48, generator=g).to(dtype)
+    w = torch.randn(48, generator=g).to(dtype)
+    ref = _torch_rms_norm(x.double(), w.double(), 1e-5)
+    assert rel(rms_norm(x, w, 1e-5), ref) < tol * 4
+    s, y = add_rms_norm(x, r, w, 1e-5)
+    assert rel(s, x.double() + r.double()) < tol * 4
+    assert rel(y, _torch_rms_norm(s.double(), w.double(), 1e-5)) < tol * 4
+    gu = torch.randn(3, 80, generator=g).to(dtype)
+    assert rel(silu_mul(gu), torch.nn.functional.silu(gu[:, :40].double()) * gu[:, 40:].double()) < tol * 4
+    N, Hq, H, d = 4, 4, 2, 16
+    qkv = torch.randn(N, (Hq + 2 * H) * d, generator=g).to(dtype)
+    f = torch.arange(N).double()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).double() / d))[None]
+    cos, sin = torch.cat([f, f], -1).cos().to(dtype), torch.cat([f, f], -1).sin().to(dtype)
+    ref = qkv.double().clone()
+    q, k, v = rope_qkv(qkv, cos, sin, num_q_heads=Hq, num_kv_heads=H, head_dim=d)
+    rq = _torch_rope(ref[:, :Hq * d].view(N, Hq, d), cos.double()[:, None], sin.double()[:, None])
+    rk = _torch_rope(ref[:, Hq * d:(Hq + H) * d].view(N, H, d), cos.double()[:, None], sin.double()[:, None])
+    assert rel(q, rq) < tol * 4 and rel(k, rk) < tol * 4
+    assert torch.equal(v.double(), ref[:, (Hq + H) * d:].view(N, H, d))
+
+
+@pytest.mark.parametrize("Hp", [1, 2, 4])
+def test_rope_kv_write_puts_each_head_at_its_own_position(Hp):
+    """Decode rows' K (rotated) and V land in slot head_to_slot[h] at head_lens - 1 through the row's table;
+    prefill rows (past n_decode) write nothing; every other slot keeps its NaN poison."""
+    from tangram.kernels.fused import _torch_kv_write, rope_qkv
+
+    g = torch.Generator().manual_seed(_seed())
+    B, Hq, H, d = 3, 8, 4, 16
+    G = H // Hp
+    pool = torch.full((B * G * 3 + 2, 2, Hp, P, d), float("nan"))
+    tables = torch.randperm(pool.shape[0], generator=g)[:B * G * 3].view(B, G, 3).to(torch.int32)
+    lens = torch.randint(1, 3 * P + 1, (B, H), generator=g).to(torch.int32)
+    h2s = torch.randperm(H, generator=g).to(torch.int32)
+    qkv = torch.randn(B + 2, (Hq + 2 * H) * d, generator=g)
+    cos, sin = torch.randn(B + 2, d, generator=g), torch.randn(B + 2, d, generator=g)
+    q, k, v = rope_qkv(qkv, cos, sin, num_q_heads=Hq, num_kv_heads=H, head_dim=d, kv_pool=pool, block_table=tables,
+                       head_lens=lens, head_to_slot=h2s, page_size=P, heads_per_group=Hp, n_decode=B)
+    ref = torch.full_like(pool, float("nan"))
+    _torch_kv_write(ref, tables, lens, h2s, k[:B], v[:B], P, Hp)
+    assert torch.equal(torch.isnan(pool), torch.isnan(ref))
+    assert int((~torch.isnan(pool)).sum()) == B * H * 2 * d  # exactly one token per (row, head), K and V
+    m = ~torch.isnan(ref)
+    assert torch.equal(pool[m], ref[m])
+
+
+def _batched_case(g, H=4, gq=2, Hp=2, cs=(5, 37, 20), cached=(0, 9, 30), dtype=torch.float32):
+    kp, N = len(cs), sum(cs)
+    G = H // Hp
+    Hq = H * gq
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32)
+    W = 24
+    pool = torch.randn(kp * G * W + 4, 2, Hp, P, D, generator=g).to(dtype)
+    tables = torch.randperm(pool.shape[0], generator=g)[:kp * G * W].view(kp, G, W).to(torch.int32)
+    s2h = torch.randperm(H, generator=g).to(torch.int32)
+    lens = torch.tensor([[max(0, c - 2 * s) for s in range(H)] for c in cached], dtype=torch.int32)
+    qkv = torch.randn(N, (Hq + 2 * H) * D, generator=g).to(dtype)
+    q = qkv[:, :Hq * D].view(N, Hq, D)
+    k = qkv[:, Hq * D:(Hq + H) * D].view(N, H, D)
+    v = qkv[:, (Hq + H) * D:].view(N, H, D)
+    return cu, pool, tables, s2h, lens, q, k, v
+
+
+@pytest.mark.parametrize("kind", ["per_head", "global", "full"])
+def test_batched_compression_matches_the_float64_references(kind):
+    """Every chunk of a step at once: chunk attention and SnapKV scores against the float64 references, the kept
+    set a top-k of the scores with exactly the counts asked for, the pool equal to the reference scatter."""
+    from tangram.kernels.compress import (global_keep_counts, pool_scores, prefill_attention_varlen, select_scatter,
+                                          snapkv_scores_varlen)
+
+    g = torch.Generator().manual_seed(_seed())
+    cu, pool, tables, s2h, lens, q, k, v = _batched_case(g)
+    H, kp = lens.shape[1], lens.shape[0]
+    h2s = torch.argsort(s2h.long()).to(torch.int32)
+    cs = (cu[1:] - cu[:-1]).tolist()
+    out = torch.full(q.shape, float("nan"))
+    out, lse = prefill_attention_varlen(q, k, v, cu, max(cs), pool, tables, lens, h2s, page_size=P,
+                                        heads_per_group=2, out=out)
+    raw = snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=8)
+    pooled = pool_scores(raw)
+    if kind == "per_head":
+        want = torch.tensor([[min(c, 1 + 3 * s) for s in range(H)] for c in cs], dtype=torch.int32)
+        p2 = pool.clone()
+        kept = select_scatter(raw, k, v, cu, max(cs), want, p2, tables, lens, s2h, page_size=P, heads_per_group=2)
+    elif kind == "global":
+        gk = torch.tensor([7, 40, 1])
+        want = global_keep_counts(pooled, cu, gk, 40)
+        assert want.sum(1).tolist() == [7, 40, 1]
+        p2 = pool.clone()
+        kept = select_scatter(pooled, k, v, cu, max(cs), want, p2, tables, lens, s2h, page_size=P, heads_per_group=2,
+                              pool_kernel=1)
+    else:
+        want = torch.tensor(cs)[:, None].expand(kp, H)
+        p2 = pool.clone()
+        kept = select_scatter(None, k, v, cu, max(cs), None, p2, tables, lens, s2h, page_size=P, heads_per_group=2)
+    assert torch.equal(kept.long(), want.long())
+    for i in range(kp):
+        a, b = int(cu[i]), int(cu[i + 1])
+        o_ref, probs = ref_prefill_attention(q[a:b], k[a:b], v[a:b], pool, tables[i], lens[i], s2h, page_size=P,
+                                             heads_per_group=2)
+        assert rel(out[a:b], o_ref) < 1e-5
+        s_ref = ref_snapkv_scores(probs, lens[i], s2h, window=8)
+        assert rel(pooled[i, :, :b - a], s_ref) < 1e-5
+        s = pooled[i, :, :b - a].double().numpy()
+        keep = np.zeros((H, b - a), dtype=bool)
+        for slot in range(H):  # the kernel's rule: top-k, ties to the earliest tokens
+            keep[slot, np.sort(np.argsort(-s[slot], kind="stable")[:int(want[i, slot])])] = True
+        assert is_topk_set(s, keep, want[i].numpy())
+        rp, _ = ref_scatter(pool, tables[i], lens[i], s2h, k[a:b], v[a:b], keep, page_size=P, heads_per_group=2)
+        pages = tables[i].long().flatten()
+        assert torch.equal(p2[pages], rp[pages])
+
+
+def test_select_ties_go_to_the_earliest_tokens():
+    """All scores equal: each head keeps its first ``count`` tokens, in order, after its current length."""
+    from tangram.kernels.compress import select_scatter
+
+    g = torch.Generator().manual_seed(_seed())
+    cu, pool, tables, s2h, lens, q, k, v = _batched_case(g, cs=(30,), cached=(7,))
+    H = lens.shape[1]
+    scores = torch.ones(1, H, 32)
+    counts = torch.tensor([[3, 0, 30, 11]], dtype=torch.int32)
+    p2 = pool.clone()
+    select_scatter(scores, k, v, cu, 30, counts, p2, tables, lens, s2h, page_size=P, heads_per_group=2,
+                   pool_kernel=1)
+    keep = np.zeros((H, 30), dtype=bool)
+    for slot in range(H):
+        keep[slot, :int(counts[0, slot])] = True
+    rp, _ = ref_scatter(pool, tables[0], lens[0], s2h, k, v, keep, page_size=P, heads_per_group=2)
+    assert torch.equal(p2, rp)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from tangram.budgets import head_groups
+from tangram.budgets import head_groups, synthetic_profile
 from tangram.errors import ConfigError
 from tangram.planner import aot_split_map, flashdecoding_num_splits, runtime_plan
 
@@ -53,3 +53,67 @@ def test_runtime_plan_fits_ncta_and_counts_host_work():
 def test_algorithm1_rejects_hp_not_dividing_h():
     with pytest.raises(ConfigError, match="must divide"):
         aot_split_map(np.full((2, 8), 0.3), np.tile(np.arange(8), (2, 1)), 3, 16)
+
+
+# ----------------------------------------------------------------------------- regime routing
+
+
+def test_tiled_wave_time_equals_the_materialised_batch():
+    from tangram.planner import DecodeCosts, _tiled_wave_time, wave_time
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    c = DecodeCosts()
+    for batch in (1, 3, 40, 300):
+        size = rng.uniform(1e3, 1e6, (4, 8))
+        reps = rng.integers(1, 9, (4, 8))
+        a = _tiled_wave_time(size, reps, batch, 264, c)
+        b = wave_time(np.tile(size, (1, batch)), np.tile(reps, (1, batch)), 264, c.bw, c.cta_bw, c.cta_s)
+        np.testing.assert_allclose(a, b, rtol=1e-12)
+
+
+def test_regime_choice_keeps_the_baseline_split_without_a_clear_gain():
+    """Uniform lengths: nothing beats FlashDecoding's split by the margin, so every layer runs exactly it (no
+    split when it says one); long skewed contexts: Algorithm 1's balance is predicted to pay and is chosen."""
+    from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
+                                 flashdecoding_num_splits)
+
+    costs = DecodeCosts()
+    L, H = 4, 8
+    B1 = np.ones((L, H))
+    ident = np.tile(np.arange(H), (L, 1))
+    for batch, ctx in ((1, 4096), (4, 1024), (64, 8192), (256, 1024)):
+        S = aot_bucket_split_map(B1, ident, 1, 264, batch, context=ctx, costs=costs, num_sms=132)
+        ns = flashdecoding_num_splits(batch * H, 132, -(-ctx // 128))
+        assert (S == ns).all(), (batch, ctx, S, ns)
+    prof = synthetic_profile(L, H, 0.25, seed=3)
+    perm = np.tile(np.arange(H), (L, 1))
+    S = aot_bucket_split_map(prof.B, perm, 1, 264, 4, context=131072, costs=costs, num_sms=132)
+    lens = np.ceil(prof.B * 0.75 * 131072)
+    ns = flashdecoding_num_splits(4 * H, 132, -(-int(np.ceil(prof.B.max() * 131072)) // 128))
+    t_aot = decode_layer_times(lens, S, 1, 4, 264, costs, gq=4, head_dim=128)
+    t_static = decode_layer_times(lens, np.full_like(S, ns), 1, 4, 264, costs, gq=4, head_dim=128)
+    assert (t_aot <= t_static).all() and (S != ns).any()
+    assert decode_context_bucket(5) == 1024 and decode_context_bucket(5000) == 8192
+    assert decode_context_bucket(10**7) == 131072
+    # without costs: Algorithm 1 capped per context, as before
+    S0 = aot_bucket_split_map(prof.B, perm, 1, 264, 4, context=1024)
+    assert (S0 <= np.maximum(1, np.ceil(prof.B.max(axis=1, keepdims=True) * 1024) // 256)).all()
+
+
+def test_decode_costs_file_round_trip_and_errors(tmp_path):
+    from tangram.errors import ConfigError
+    from tangram.planner import DecodeCosts
+
+    c = DecodeCosts(bw=2e12, cta_bw=3e10, cta_s=1e-6, launch_s=2e-6, merge_s=3e-6, source="test")
+    c.to_json(tmp_path / DecodeCosts.FILENAME, {"note": 1})
+    d = DecodeCosts.load(tmp_path)
+    assert (d.bw, d.cta_bw, d.cta_s, d.launch_s, d.merge_s) == (2e12, 3e10, 1e-6, 2e-6, 3e-6)
+    (tmp_path / DecodeCosts.FILENAME).write_text('{"bw": 1}')
+    with pytest.raises(ConfigError, match="missing field"):
+        DecodeCosts.load(tmp_path)
+    (tmp_path / DecodeCosts.FILENAME).write_text('{"bw": ')
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        DecodeCosts.load(tmp_path)
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert DecodeCosts.load(empty).source.startswith("default")

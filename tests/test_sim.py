@@ -282,20 +282,27 @@ def test_roofline_fallback_labelled_and_tables_used(tmp_path):
 @pytest.mark.parametrize("hp,scale,rounding", [(1, 1.5, "ceil"), (2, 1.0, "round"), (4, 0.5, "round"),
                                                 (8, 2.0, "ceil")])
 def test_cost_model_prices_the_split_map_the_engine_launches(hp, scale, rounding):
-    """The decode CTAs the simulator prices are the ones the engine's AOT table launches, for every batch bucket."""
-    from tangram.kernels import AotSplitTable
-    from tangram.planner import pow2_bucket
+    """The decode CTAs the simulator prices are the ones the engine's AOT table launches, for every batch bucket
+    and context bucket, with the regime choice (no split / Algorithm 1 / finer) made from the same decode costs."""
+    from tangram.engine.split_table import AotSplitTable
+    from tangram.planner import DecodeCosts, decode_context_bucket, pow2_bucket
 
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=int(np.random.SeedSequence().entropy
                                                                                    % 1000))
     eng = EngineConfig(mode="tangram", heads_per_group=hp, n_cta_scale=scale, split_rounding=rounding, alpha=1.5)
     sched = Scheduler(LLAMA, eng, prof, pool_bytes=2**30)
     cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile)
+    assert cm.decode_costs is not None and cm.decode_costs == DecodeCosts.load(cm.tables.directory)
     table = AotSplitTable(sched.profile.B, sched.layout.perm, hp, cm.n_occ, max_batch=eng.max_num_seqs, waves=scale,
-                          rounding=rounding)
+                          rounding=rounding, costs=cm.decode_costs, gq=LLAMA.gqa_group, head_dim=LLAMA.head_dim,
+                          dtype_bytes=LLAMA.dtype_bytes, num_sms=H100.num_sms)
+    split = unsplit = 0
     for batch in (1, 3, 17, 64, 200):
-        want = table.split_maps[(pow2_bucket(batch), table.ctx_buckets[-1])]  # the graphs' lookup: no context
-        assert np.array_equal(cm.split_map(batch), want), batch
+        for ctx in (700, 5000, 40000):
+            want = table.split_maps[(pow2_bucket(batch), decode_context_bucket(ctx))]
+            assert np.array_equal(cm.split_map(batch, ctx), want), (batch, ctx)
+            split, unsplit = split + int((want > 1).any()), unsplit + int((want == 1).all(axis=1).any())
+    assert split and unsplit  # both regimes occur over these buckets
 
 
 def test_decode_waves_hold_the_resident_ctas_whatever_the_plan_aims_at():

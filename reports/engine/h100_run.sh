@@ -20,7 +20,7 @@ fi
 # CONFIG: a tangram-sim --config JSON (e.g. the tuner's best_config.json) instead of --rho 0.25 --alpha 2 --hp 4
 B=$OUT/${TAG:-b}
 mkdir -p $B
-[ "${CHECK:-1}" = 1 ] && python3 reports/engine/h100_check.py $OUT/check.json 2>&1 | tee $OUT/check.log
+[ "${CHECK:-1}" = 1 ] && python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/gpu 2>&1 | tee $OUT/check.log
 python3 reports/engine/make_trace.py /tmp/trace.jsonl ${TRACE:---sessions ${SESSIONS:-8} --first ${FIRST:-12000} --out-tokens ${OUTTOK:-192}} || exit 1
 if [ -n "$CONFIG" ]; then SPEC="--config $CONFIG"; cp $CONFIG $B/config.json; else SPEC="--rho 0.25 --alpha 2 --hp 4"; fi
 cp /tmp/trace.jsonl $B/trace.jsonl

@@ -239,11 +239,15 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     from tangram.engine.sampling import SamplingParams
     from tangram.harness import Cluster, summarize
 
+    from tangram.planner import DecodeCosts, tables_dir
+
     engine = spec.engine.with_(mode=mode)
     pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
     max_ctx = max_session_tokens(trace)
+    # the decode costs the cost model reads for this GPU preset: both make the same AOT split choice
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
-                           dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx)
+                           dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
+                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name)))
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)

@@ -3,7 +3,8 @@
 An eager decode step of an 8B model issues ~1,500 launches from Python and took 35-45 ms on the H100 for a few
 requests whose kernels need ~6 ms (reports/engine/README.md), so the engine measured its host, not the
 technique. As in vLLM and nano-vllm, a decode step whose batch fits a captured bucket copies its inputs into
-static device buffers and replays the graph; steps with prefill chunks stay eager.
+static device buffers (one host-to-device copy) and replays the graph, which ends with the logits and, for
+greedy sampling, the sampled tokens; steps with prefill chunks stay eager.
 
 What a graph freezes at capture, and how each mode keeps it valid:
 
@@ -11,7 +12,8 @@ What a graph freezes at capture, and how each mode keeps it valid:
   token of a scratch page that the scheduler never hands out, so it cannot touch live KV;
 * the table width: static ``[max_bs, T, W]`` block tables; a step copies only its rows' used pages, and a step
   needing more than ``W`` pages per table regrows the buffers (the graphs are dropped and recaptured, timed);
-* the decode partition: ``aot`` already takes one precomputed schedule per batch bucket (no per-step input);
+* the decode partition: ``aot`` takes one precomputed schedule per (batch bucket, context bucket); context
+  buckets whose split maps are equal share one graph (``AotSplitTable.canonical_context``);
   ``static`` (FlashDecoding's num_splits from the longest head) gets its split count from the step's longest
   context rounded up to a power of two, so each (bucket, context bucket) is its own graph: the bucketed-split
   FlashDecoding that graph-captured engines run. ``runtime`` (a host plan per step) is not captured.
@@ -40,13 +42,14 @@ def context_bucket(max_len: int) -> int:
 
 @dataclass
 class StaticBuffers:
-    """Device inputs and output of every decode graph (graphs of smaller buckets use the leading rows)."""
+    """Device inputs and outputs of every decode graph (graphs of smaller buckets use the leading rows)."""
 
-    tokens: torch.Tensor  # [max_bs] int64
-    pos: torch.Tensor  # [max_bs] int64 (position of the fed token = lens_after of its sequence - 1)
+    tokens: torch.Tensor  # [max_bs] int32
+    pos: torch.Tensor  # [max_bs] int32 (position of the fed token = lens_after of its sequence - 1)
     tables: torch.Tensor  # [max_bs, T, W] int32
     lens: torch.Tensor  # [max_bs, L, H] int32 (slot order, after this step's token)
-    hidden: torch.Tensor  # [max_bs, hidden] final-norm output, the lm_head's input
+    logits: torch.Tensor  # [max_bs, vocab] fp32
+    sampled: torch.Tensor | None  # [max_bs] int64 greedy tokens (None: the sampler runs after the replay)
 
     @property
     def width(self) -> int:
@@ -65,15 +68,15 @@ class GraphStats:
 class DecodeGraphs:
     """Captured decode forwards of one executor, keyed by (batch bucket, context bucket or 0)."""
 
-    def __init__(self, *, max_bs: int, n_tables: int, num_layers: int, num_kv_heads: int, hidden: int,
-                 dtype: torch.dtype, device: torch.device, scratch_page: int, width: int,
+    def __init__(self, *, max_bs: int, n_tables: int, num_layers: int, num_kv_heads: int, vocab: int, greedy: bool,
+                 device: torch.device, scratch_page: int, width: int,
                  body: Callable[[StaticBuffers, int, int], None], emulate: bool = False):
         self.max_bs = pow2_bucket(max_bs)
         self.buckets = [1 << i for i in range(self.max_bs.bit_length())]
-        self.T, self.L, self.H, self.hidden_size = n_tables, num_layers, num_kv_heads, hidden
-        self.dtype, self.device = dtype, device
+        self.T, self.L, self.H, self.vocab, self.greedy = n_tables, num_layers, num_kv_heads, vocab, greedy
+        self.device = device
         self.scratch = scratch_page
-        self.body = body  # body(bufs, bs, ctx_bucket): the forward reading bufs[:bs], writing bufs.hidden[:bs]
+        self.body = body  # body(bufs, bs, ctx_bucket): the forward reading bufs[:bs], writing bufs.logits[:bs]
         self.emulate = emulate or device.type != "cuda"
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int], object] = {}
@@ -84,11 +87,12 @@ class DecodeGraphs:
     def _alloc(self, width: int) -> StaticBuffers:
         d, n = self.device, self.max_bs
         return StaticBuffers(
-            tokens=torch.zeros(n, dtype=torch.long, device=d),
-            pos=torch.zeros(n, dtype=torch.long, device=d),
+            tokens=torch.zeros(n, dtype=torch.int32, device=d),
+            pos=torch.zeros(n, dtype=torch.int32, device=d),
             tables=torch.full((n, self.T, width), self.scratch, dtype=torch.int32, device=d),
             lens=torch.ones((n, self.L, self.H), dtype=torch.int32, device=d),
-            hidden=torch.zeros((n, self.hidden_size), dtype=self.dtype, device=d),
+            logits=torch.zeros((n, self.vocab), dtype=torch.float32, device=d),
+            sampled=torch.zeros(n, dtype=torch.long, device=d) if self.greedy else None,
         )
 
     def _park_rows(self, lo: int, hi: int) -> None:
@@ -145,11 +149,13 @@ class DecodeGraphs:
         self.stats.regrows += 1
 
     # ------------------------------------------------------------------ step
-    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: np.ndarray, lens: np.ndarray, ctx: int,
-            to_device: Callable[[np.ndarray], torch.Tensor]) -> torch.Tensor:
-        """One decode step of ``kd = len(tokens)`` rows: inputs into the static buffers, replay, the rows'
-        final hidden states ``[kd, hidden]`` (valid until the next replay). A key nobody captured ahead is
-        captured first (its time lands in this step), since a capture overwrites the buffers with scratch rows."""
+    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: torch.Tensor, lens: np.ndarray, ctx: int,
+            to_device: Callable[[np.ndarray], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of ``kd = len(tokens)`` rows (``tables``: their ``[kd, T, w]`` block tables, already on
+        the device): inputs into the static buffers (one host-to-device copy), replay; returns the rows' logits
+        ``[kd, vocab]`` and greedy tokens ``[kd]`` (None unless greedy), valid until the next replay. A key nobody
+        captured ahead is captured first (its time lands in this step), since a capture overwrites the buffers
+        with scratch rows."""
         kd = len(tokens)
         bs = self.bucket(kd)
         w = tables.shape[2]
@@ -157,13 +163,15 @@ class DecodeGraphs:
             self._regrow(w)
         graph = self._graphs.get((bs, ctx)) or self._capture(bs, ctx)
         b = self.bufs
-        packed = to_device(np.concatenate([tokens.astype(np.int64), pos.astype(np.int64)]))
+        nl = lens.size
+        packed = to_device(np.concatenate([np.asarray(tokens, np.int32), np.asarray(pos, np.int32),
+                                           lens.astype(np.int32, copy=False).reshape(-1)]))
         b.tokens[:kd].copy_(packed[:kd])
-        b.pos[:kd].copy_(packed[kd:])
-        b.tables[:kd, :, :w].copy_(to_device(tables.astype(np.int32, copy=False)))
-        b.lens[:kd].copy_(to_device(lens.astype(np.int32, copy=False)))
+        b.pos[:kd].copy_(packed[kd:2 * kd])
+        b.lens[:kd].copy_(packed[2 * kd:2 * kd + nl].view(lens.shape))
+        b.tables[:kd, :, :w].copy_(tables)
         if kd < bs:
             self._park_rows(kd, bs)
         graph() if self.emulate else graph.replay()
         self.stats.replays += 1
-        return b.hidden[:kd]
+        return b.logits[:kd], (b.sampled[:kd] if b.sampled is not None else None)

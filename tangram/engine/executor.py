@@ -47,18 +47,22 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import torch.nn.functional as F
+
 from tangram.budgets import drawn_keep
 from tangram.config import EngineConfig
 from tangram.engine.cuda_graphs import DecodeGraphs, StaticBuffers, context_bucket
 from tangram.engine.kv_cache import KVCache
-from tangram.engine.model import AttnContext, Transformer
+from tangram.engine.model import Transformer, fuse_projections
 from tangram.engine.sampling import Sampler, SamplingParams
+from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
-    AotSplitTable, launch_decode, prefill_attention, runtime_plan_schedules, scatter_kept, select_keep,
-    snapkv_scores, static_split_decode,
+    add_rms_norm, global_keep_counts, launch_decode, pool_scores, prefill_attention_varlen, rms_norm, rope_qkv,
+    runtime_plan_schedules, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
 )
 from tangram.plan import StepPlan, StepResult
+from tangram.planner import DecodeCosts
 from tangram.scheduler import Scheduler
 
 
@@ -171,6 +175,9 @@ class ExecutorOptions:
     cuda_graphs: str = "auto"
     graph_max_context: int | None = None  # tokens the static block tables hold per table (None: the block
     # table's width at start, regrown on demand); tangram-bench passes the trace's longest session
+    # costs of a decode launch, for the AOT split table's regime choice (tangram.planner.aot_bucket_split_map);
+    # tangram-bench passes the GPU's tables (the ones the cost model reads); None = Algorithm 1 capped per context
+    decode_costs: DecodeCosts | None = None
 
 
 class _Ops:
@@ -242,11 +249,14 @@ class Executor:
             self.num_sms = os.cpu_count() or 1
         self.n_occ = self.opts.n_occ or self._measure_n_occ()
         self.aot = None
+        fuse_projections(model)  # q/k/v and gate/up as one GEMM each (views: no extra memory)
         if self.partition == "aot":
             B = sched.profile.B if sched.profile is not None else np.ones((self.cfg.num_layers, self.cfg.num_kv_heads))
+            c = self.cfg
             self.aot = AotSplitTable(B, lay.perm, self.hp, self.n_occ, max_batch=max(1, self.engine.max_num_seqs),
                                      waves=self.engine.n_cta_scale, rounding=self.engine.split_rounding,
-                                     device=self.device)
+                                     costs=self.opts.decode_costs, gq=c.gqa_group, head_dim=c.head_dim,
+                                     dtype_bytes=c.dtype_bytes, num_sms=self.num_sms, device=self.device)
         elif self.partition not in ("static", "runtime"):
             raise ConfigError(f"unknown decode partition {self.partition!r}")
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
@@ -254,6 +264,8 @@ class Executor:
             raise ConfigError(f"dynamic_keep must be topk or profile, got {self.opts.dynamic_keep!r}")
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
             raise ConfigError("dynamic_keep='profile' needs a budget profile")
+        self._bt_dev: torch.Tensor | None = None  # device mirror of the scheduler's block table
+        self._bt_src = None
         self.graphs: DecodeGraphs | None = None
         cg = self.opts.cuda_graphs
         if cg not in ("auto", "off", "emulate"):
@@ -264,9 +276,9 @@ class Executor:
                      else -(-int(self.opts.graph_max_context) // P) + 1)
             self.graphs = DecodeGraphs(
                 max_bs=self.engine.graph_max_batch, n_tables=lay.n_tables,
-                num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads, hidden=self.cfg.hidden,
-                dtype=self.dtype, device=self.device, scratch_page=self.scratch_page, width=width,
-                body=self._decode_body, emulate=not self.cuda)
+                num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads, vocab=self.cfg.vocab,
+                greedy=self.opts.sampling.temperature == 0.0, device=self.device, scratch_page=self.scratch_page,
+                width=width, body=self._decode_body, emulate=not self.cuda)
 
     def describe(self) -> dict:
         """Where this executor's step durations come from (the harness's summary reads it)."""
@@ -310,15 +322,16 @@ class Executor:
             return []
         top = self.graphs.bucket(max_batch) if max_batch else None
         buckets = [b for b in self.graphs.buckets if top is None or b <= top]
-        ctxs = [0]
+        ctxs, c = [], context_bucket(1)
+        while True:
+            ctxs.append(c)
+            if c >= context_bucket(max_context):
+                break
+            c *= 2
         if self.partition == "static":
-            ctxs, c = [], context_bucket(1)
-            while True:
-                ctxs.append(c)
-                if c >= context_bucket(max_context):
-                    break
-                c *= 2
-        return [(b, c) for b in buckets for c in ctxs]
+            return [(b, c) for b in buckets for c in ctxs]
+        # aot: one graph per distinct set of split maps (context buckets that launch the same CTAs share it)
+        return list(dict.fromkeys((b, self.aot.canonical_context(b, c)) for b in buckets for c in ctxs))
 
     def capture_graphs(self, max_context: int, max_batch: int | None = None) -> None:
         """Capture ahead of a run (tangram-bench does, before its clock starts)."""
@@ -327,17 +340,20 @@ class Executor:
                 self.graphs.capture(self.graph_keys(max_context, max_batch))
 
     def _decode_body(self, bufs: StaticBuffers, bs: int, ctx: int) -> None:
-        """The captured decode forward: reads ``bufs[:bs]`` only, so a replay sees the next step's inputs."""
-        tables, lens = bufs.tables[:bs], bufs.lens[:bs]
-        st = {"kd": bs, "kp": 0, "bounds": [bs], "ops": _Ops(False, self.cuda), "dec_tables": tables,
-              "dec_lens": lens}
-        st["dec_page"], st["dec_off"] = self.cache.decode_slots(tables, lens)
+        """The captured decode step: reads ``bufs[:bs]`` only, so a replay sees the next step's inputs; ends with
+        the logits (and, greedy, the sampled tokens) in the static buffers: lm_head and argmax are in the graph."""
+        L = self.cfg.num_layers
+        st = {"kd": bs, "kp": 0, "ops": _Ops(False, self.cuda), "dec_tables": bufs.tables[:bs],
+              "dec_lens": bufs.lens[:bs]}
         if self.partition == "aot":
-            st["sched"] = [self.aot.lookup(l, bs) for l in range(self.cfg.num_layers)]
+            st["sched"] = [self.aot.lookup(l, bs, ctx) for l in range(L)]
         else:
-            st["max_len"] = [ctx] * self.cfg.num_layers
-        x = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
-        bufs.hidden[:bs].copy_(self.model.model.norm(x[0]))
+            st["max_len"] = [ctx] * L
+        h = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
+        logits = self.model.lm_head(h).float()
+        bufs.logits[:bs].copy_(logits)
+        if bufs.sampled is not None:
+            bufs.sampled[:bs].copy_(logits.argmax(dim=-1))
 
     def _use_graph(self, kd: int, kp: int) -> bool:
         return self.graphs is not None and not self.opts.time_ops and bool(self.engine.decode_graphed(kd, kp))
@@ -359,61 +375,134 @@ class Executor:
             bounds.append(bounds[-1] + c)
         return ids, pos, bounds
 
+    def _upload(self, arrays: dict) -> dict:
+        """Every per-step int array to the device in one pinned host-to-device copy; device views by name."""
+        flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays.values()]
+        buf = self.cache.to_device(np.concatenate(flat) if flat else np.zeros(0, np.int32))
+        out, off = {}, 0
+        for (name, a), f in zip(arrays.items(), flat):
+            out[name] = buf[off:off + f.size].view(np.shape(a))
+            off += f.size
+        return out
+
+    def _tables_dev(self) -> torch.Tensor:
+        """The scheduler's block table ``[rows, T, cap]`` on the device, kept current from its write log: a step
+        uploads only the page ids written since the last one (at H_p 1 a decode row has 256 tables, and copying
+        the rows' whole tables every step was 21-80 MB of host gathering and transfer at batch 64)."""
+        bt = self.sched.bt
+        if (self._bt_dev is None or self._bt_src is not bt or tuple(self._bt_dev.shape) != bt.pages.shape
+                or not hasattr(bt, "take_writes")):
+            self._bt_dev = self.cache.to_device(bt.pages).clone()  # a copy (on the CPU to_device shares memory)
+            self._bt_src = bt
+            if hasattr(bt, "track_writes"):
+                bt.track_writes()
+            return self._bt_dev
+        w = bt.take_writes()
+        if w is None:  # tracking was switched off behind our back: start over
+            bt.track_writes()
+            self._bt_dev = self.cache.to_device(bt.pages).clone()
+        elif w.size:
+            wd = self.cache.to_device(w.astype(np.int32)).long()
+            self._bt_dev[wd[:, 0], wd[:, 1], wd[:, 2]] = wd[:, 3].int()
+        return self._bt_dev
+
+    def _rows_tables(self, rows: np.ndarray) -> tuple[torch.Tensor, int]:
+        """(``[len(rows), T, w]`` device tables of the rows, w) with w their widest table's pages."""
+        w = max(1, int(self.sched.bt.npages[rows].max())) if len(rows) else 1
+        dev = self._tables_dev()
+        idx = self.cache.to_device(np.asarray(rows, dtype=np.int64))
+        return dev.index_select(0, idx)[:, :, :w], w
+
     def _layers(self, tok_t: torch.Tensor, pos_t: torch.Tensor, st: dict) -> torch.Tensor:
-        m = self.model
-        x = m.model.embed_tokens(tok_t)[None]
+        """The decoder stack over the step's tokens; returns the final-normed hidden states [N, hidden].
+
+        Per layer: RMSNorm (fused with the previous residual add), one qkv GEMM, RoPE of q/k in place with the
+        decode rows' KV written into their pages (one kernel), attention, o GEMM, add + RMSNorm, one gate/up
+        GEMM, SiLU * up, down GEMM: 9-10 launches, the same for every mode."""
+        m, c = self.model, self.cfg
+        ops: _Ops = st["ops"]
+        kd = st["kd"]
+        layers = m.model.layers
+        eps = c.rms_eps
+        x = m.model.embed_tokens(tok_t)
         cos, sin = m.rope(pos_t, x.dtype)
-        ctx = AttnContext(pos_t, {"step": st})
-        for layer in m.model.layers:
-            x = layer(x, cos, sin, self._attention, ctx)
-        return x
+        h = rms_norm(x, layers[0].input_layernorm.weight, eps)
+        N = x.shape[0]
+        for l, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = F.linear(h, a._qkv, a._qkv_bias)
+            ops.start("kv_write")
+            kw = {}
+            if kd:
+                kw = dict(kv_pool=self.cache.layer_pool(l), block_table=self.cache.layer_table(st["dec_tables"], l),
+                          head_lens=st["dec_lens"][:, l], head_to_slot=self.cache.head_to_slot[l],
+                          page_size=self.P, heads_per_group=self.hp, n_decode=kd)
+            q, k, v = rope_qkv(qkv, cos, sin, num_q_heads=c.num_q_heads, num_kv_heads=c.num_kv_heads,
+                               head_dim=c.head_dim, q_norm=a.q_norm.weight if c.qk_norm else None,
+                               k_norm=a.k_norm.weight if c.qk_norm else None, eps=eps, **kw)
+            ops.stop("kv_write")
+            o = self._attention(l, q, k, v, st)
+            x, h = add_rms_norm(x, F.linear(o.view(N, -1), a.o_proj.weight), layer.post_attention_layernorm.weight,
+                                eps)
+            y = F.linear(silu_mul(F.linear(h, mlp._gate_up)), mlp.down_proj.weight)
+            nw = layers[l + 1].input_layernorm.weight if l + 1 < len(layers) else m.model.norm.weight
+            x, h = add_rms_norm(x, y, nw, eps)
+        return h
 
     def _forward_eager(self, plan: StepPlan, ids, pos, bounds, last, ops: _Ops) -> tuple[torch.Tensor, dict, float]:
         """The step's forward issued op by op; returns (final hidden of the sampling rows, step state, host
         planning seconds)."""
         kd, kp = plan.num_decode, plan.num_prefill
         L, H = self.cfg.num_layers, self.cfg.num_kv_heads
-        tok_t = self.cache.to_device(np.asarray(ids, dtype=np.int64))
-        pos_t = self.cache.to_device(np.asarray(pos, dtype=np.int64))
-        st = {"kd": kd, "kp": kp, "bounds": bounds, "ops": ops}
+        arrays = {"tok": np.asarray(ids), "pos": np.asarray(pos),
+                  "rows": np.asarray(list(range(kd)) + last)}  # logits only for the rows that sample
+        if kd:
+            arrays["dec_lens"] = plan.decode_head_lens
+        keep = None
+        if kp:
+            arrays["pf_lens"] = plan.prefill_head_lens
+            arrays["cu"] = np.asarray(bounds) - kd
+            if self.retention == "global" and self.opts.dynamic_keep == "profile":
+                keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
+            elif self.retention not in ("full", "global"):
+                keep = plan.prefill_keep
+            if keep is not None:  # every layer's per-head counts in the step's one copy
+                arrays["keep"] = np.minimum(keep, plan.prefill_tokens[:, None, None])
+            elif self.retention == "global":  # the layer's global top-k of each chunk
+                arrays["gk"] = np.ceil(self.engine.rho * H * plan.prefill_tokens - 1e-9)
+                gk_max = int(arrays["gk"].max())
+        st = dict(self._upload(arrays), kd=kd, kp=kp, bounds=bounds, ops=ops)
+        if kd:
+            st["dec_tables"], _ = self._rows_tables(plan.decode_rows)
+        if kp:
+            st["pf_tables"], _ = self._rows_tables(plan.prefill_rows)
         host_plan_s = 0.0
         if kd:
-            st["dec_tables"] = self.cache.tables(self.sched.bt.pages[plan.decode_rows])
-            lens_np = plan.decode_head_lens.astype(np.int32)
-            st["dec_lens"] = self.cache.to_device(lens_np)
-            st["dec_page"], st["dec_off"] = self.cache.decode_slots(st["dec_tables"], st["dec_lens"])
             if self.partition == "aot":
-                st["sched"] = [self.aot.lookup(l, kd) for l in range(L)]
+                ctx = int(plan.decode_ctx.max())
+                st["sched"] = [self.aot.lookup(l, kd, ctx) for l in range(L)]
             elif self.partition == "runtime":
                 t = time.perf_counter()
-                st["sched"] = runtime_plan_schedules(lens_np, max(1, int(round(self.n_occ * self.engine.n_cta_scale))),
+                st["sched"] = runtime_plan_schedules(plan.decode_head_lens.astype(np.int32),
+                                                     max(1, int(round(self.n_occ * self.engine.n_cta_scale))),
                                                      self.device)
                 host_plan_s = time.perf_counter() - t
             else:
                 st["max_len"] = plan.decode_head_lens.max(axis=(0, 2)).tolist()
         if kp:
-            st["pf_tables"] = self.cache.tables(self.sched.bt.pages[plan.prefill_rows])
-            st["pf_lens"] = self.cache.to_device(plan.prefill_head_lens.astype(np.int32))
-            keep = None
-            if self.retention == "global" and self.opts.dynamic_keep == "profile":
-                keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
-            elif self.retention not in ("full", "global"):
-                keep = plan.prefill_keep
-            if keep is not None:  # every layer's per-head counts in one pinned copy (no per-layer stream sync)
-                keep = np.minimum(keep, plan.prefill_tokens[:, None, None])
-                st["keep_np"], st["keep_dev"] = keep, self.cache.to_device(keep.astype(np.int32))
+            st["max_chunk"] = int(plan.prefill_tokens.max())
+            st["gk_max"] = gk_max if "gk" in arrays else None
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
-        x = self._layers(tok_t, pos_t, st)
-        # logits only for the rows that sample: decode rows and the last token of completing chunks
-        rows = self.cache.to_device(np.asarray(list(range(kd)) + last, dtype=np.int64))
-        return self.model.model.norm(x[0].index_select(0, rows)), st, host_plan_s
+        h = self._layers(st["tok"], st["pos"], st)
+        return h.index_select(0, st["rows"]), st, host_plan_s
 
-    def _forward_graph(self, plan: StepPlan, ids, pos) -> torch.Tensor:
-        rows = plan.decode_rows
-        pages = self.sched.bt.pages
-        w = max(1, int(self.sched.bt.npages[rows].max()))
-        ctx = context_bucket(int(plan.decode_head_lens.max())) if self.partition == "static" else 0
-        return self.graphs.run(np.asarray(ids), np.asarray(pos), pages[rows, :, :w], plan.decode_head_lens, ctx,
+    def _forward_graph(self, plan: StepPlan, ids, pos) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.partition == "static":
+            ctx = context_bucket(int(plan.decode_head_lens.max()))
+        else:
+            ctx = self.aot.canonical_context(plan.num_decode, int(plan.decode_ctx.max()))
+        tables, _ = self._rows_tables(plan.decode_rows)
+        return self.graphs.run(np.asarray(ids), np.asarray(pos), tables, plan.decode_head_lens, ctx,
                                self.cache.to_device)
 
     @torch.inference_mode()
@@ -430,13 +519,15 @@ class Executor:
         captures0 = self.graphs.stats.capture_s if self.graphs is not None else 0.0
         ops.start("forward")
         if graphed:
-            h = self._forward_graph(plan, ids, pos)
+            logits, toks = self._forward_graph(plan, ids, pos)
+            if toks is None:
+                toks = self.sampler(logits)
         else:
             h, st, host_plan_s = self._forward_eager(plan, ids, pos, bounds, last, ops)
-        ops.start("lm_head_sampling")
-        logits = self.model.lm_head(h).float()
-        toks = self.sampler(logits)
-        ops.stop("lm_head_sampling")
+            ops.start("lm_head_sampling")
+            logits = self.model.lm_head(h).float()
+            toks = self.sampler(logits)
+            ops.stop("lm_head_sampling")
         ops.stop("forward")
         toks_np = toks.cpu().numpy()  # syncs the step
         realized = st["realized"].cpu().numpy().astype(np.int64) if kp and self.retention == "global" else None
@@ -451,7 +542,7 @@ class Executor:
             s = self._stream(rid)
             s.append(self.tokens.output_id(rid, len(s), tok))
             if self.opts.record_logits:
-                self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].cpu()))
+                self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].to("cpu", copy=True)))
         host_s = self.sched.take_host_s() if hasattr(self.sched, "take_host_s") else 0.0
         breakdown = {"host": host_s}
         if host_plan_s:
@@ -472,59 +563,64 @@ class Executor:
         self.steps += 1
         return StepResult(plan.step, gpu_s + host_s, breakdown, realized, sampled)
 
-    # ------------------------------------------------------------------ attention backend
-    def _attention(self, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        st = ctx.extra["step"]
+    # ------------------------------------------------------------------ attention
+    def _attention(self, l: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: dict) -> torch.Tensor:
+        """Attention of layer ``l`` for the step's rows: ``q [N, Hq, d]``, ``k``/``v [N, H, d]`` (views into
+        the qkv projection, RoPE applied; the decode rows' K/V are already in their pages) -> ``[N, Hq, d]``."""
         ops: _Ops = st["ops"]
-        kd, bounds = st["kd"], st["bounds"]
-        q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)  # [N, H*, d]
-        out = torch.empty_like(q)
+        kd, kp = st["kd"], st["kp"]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         pool = self.cache.layer_pool(l)
         s2h = self.cache.slot_to_head[l]
         if kd:
             tables = self.cache.layer_table(st["dec_tables"], l)
             lens = st["dec_lens"][:, l]
-            ops.start("kv_write")
-            self.cache.write_decode(l, st["dec_page"][:, l], st["dec_off"][:, l], k[:kd], v[:kd])
-            ops.stop("kv_write")
             ops.start("decode_attention")
-            qd = q[:kd].contiguous()
             if self.partition == "static":
-                static_split_decode(qd, pool, tables, lens, s2h, page_size=self.P, heads_per_group=self.hp,
+                static_split_decode(q[:kd], pool, tables, lens, s2h, page_size=self.P, heads_per_group=self.hp,
                                     max_len=st["max_len"][l], num_sms=self.num_sms, out=out[:kd])
             else:
-                launch_decode(qd, pool, tables, lens, s2h, st["sched"][l], page_size=self.P,
+                launch_decode(q[:kd], pool, tables, lens, s2h, st["sched"][l], page_size=self.P,
                               heads_per_group=self.hp, out=out[:kd])
             ops.stop("decode_attention")
-        for i in range(st["kp"]):
-            a, b = bounds[i], bounds[i + 1]
-            qi, ki, vi = q[a:b], k[a:b], v[a:b]
-            table = self.cache.layer_table(st["pf_tables"], l)[i]
-            hl = st["pf_lens"][i, l].clone()
-            ops.start("prefill_attention")
-            o, lse = prefill_attention(qi, ki, vi, pool, table, hl, s2h, page_size=self.P, heads_per_group=self.hp,
-                                       head_to_slot=self.cache.head_to_slot[l])
-            out[a:b] = o
-            ops.stop("prefill_attention")
-            ops.start("compression")
-            c = b - a
-            if self.retention == "full":
-                keep = torch.ones((self.cfg.num_kv_heads, c), dtype=torch.bool, device=q.device)
-                counts = None
-            else:
-                scores = snapkv_scores(qi, ki, lse, s2h, window=self.opts.score_window,
-                                       head_to_slot=self.cache.head_to_slot[l])
-                if "keep_dev" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
-                    keep, counts = select_keep(scores, st["keep_np"][i, l], counts=st["keep_dev"][i, l])
-                else:  # dynamic: the layer's global top-k
-                    gk = int(math.ceil(self.engine.rho * self.cfg.num_kv_heads * c - 1e-9))
-                    keep, counts = select_keep(scores, global_keep=gk)
-                if self.retention == "global":
-                    st["realized"][i, l] = counts
-            scatter_kept(ki, vi, keep, pool, table, hl, s2h, page_size=self.P, heads_per_group=self.hp,
-                         counts=counts)
-            ops.stop("compression")
-        return out.transpose(0, 1)[None]
+        if kp:
+            self._prefill(l, q[kd:], k[kd:], v[kd:], out[kd:], pool, st)
+        return out
+
+    def _prefill(self, l, q, k, v, out, pool, st) -> None:
+        """Every prefill chunk of the step at layer ``l``: batched chunk attention, then compression (scores,
+        per-head top-k and the copy of the kept K/V into the pages: two launches for all chunks)."""
+        ops: _Ops = st["ops"]
+        tables = self.cache.layer_table(st["pf_tables"], l)
+        lens = st["pf_lens"][:, l]
+        cu, cmax = st["cu"], st["max_chunk"]
+        h2s, s2h = self.cache.head_to_slot[l], self.cache.slot_to_head[l]
+        ops.start("prefill_attention")
+        _, lse = prefill_attention_varlen(q, k, v, cu, cmax, pool, tables, lens, h2s, page_size=self.P,
+                                          heads_per_group=self.hp, out=out)
+        ops.stop("prefill_attention")
+        ops.start("compression")
+        kw = dict(page_size=self.P, heads_per_group=self.hp)
+        if self.retention == "full":
+            select_scatter(None, k, v, cu, cmax, None, pool, tables, lens, s2h, **kw)
+        else:
+            realized = st["realized"][:, l]
+            scores = self._chunk_scores(l, q, k, lse, cu, cmax)
+            if "keep" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
+                select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, kept=realized, **kw)
+            else:  # dynamic: the layer's global top-k of each chunk, as per-head counts over the pooled scores
+                pooled = pool_scores(scores)
+                counts = global_keep_counts(pooled, cu, st["gk"], st["gk_max"])
+                select_scatter(pooled, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
+                               **kw)
+        ops.stop("compression")
+
+    def _chunk_scores(self, l: int, q, k, lse, cu, max_chunk: int) -> torch.Tensor:
+        """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end; raw: select_scatter pools it) of
+        every new token of the step's chunks at layer ``l``: SnapKV, one launch for all chunks. The seam for
+        other scoring methods (their scores go through the same selection and copy)."""
+        return snapkv_scores_varlen(q, k, lse, cu, max_chunk, self.cache.head_to_slot[l],
+                                    window=self.opts.score_window)
 
     # ------------------------------------------------------------------ checks
     def pages_in_use(self) -> int:

@@ -272,6 +272,34 @@ class Transformer(nn.Module):
         return self.lm_head(x)
 
 
+def fuse_projections(model: "Transformer") -> None:
+    """Store each layer's q/k/v and gate/up weights as one tensor each, the separate projections' weights
+    becoming row views of it (no extra memory): a decode step then runs 4 GEMMs per layer instead of 7, each
+    with a wider N (better bandwidth at small batch). Idempotent; the state dict keeps Hugging Face's names
+    and values. The fused tensors are plain attributes (``_qkv``, ``_qkv_bias``, ``_gate_up``), not
+    parameters, so nothing is saved twice."""
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        if getattr(a, "_qkv", None) is not None and a._qkv.data_ptr() == a.q_proj.weight.data_ptr() \
+                and getattr(m, "_gate_up", None) is not None and m._gate_up.data_ptr() == m.gate_proj.weight.data_ptr():
+            continue
+        with torch.no_grad():
+            projs = (a.q_proj, a.k_proj, a.v_proj)
+            a._qkv = _fuse_rows([p.weight for p in projs], projs, "weight")
+            a._qkv_bias = _fuse_rows([p.bias for p in projs], projs, "bias") if a.q_proj.bias is not None else None
+            m._gate_up = _fuse_rows([m.gate_proj.weight, m.up_proj.weight], (m.gate_proj, m.up_proj), "weight")
+
+
+def _fuse_rows(tensors, modules, name: str) -> Tensor:
+    fused = torch.cat([t.detach() for t in tensors])
+    row = 0
+    for t, mod in zip(tensors, modules):
+        n = t.shape[0]
+        setattr(mod, name, nn.Parameter(fused[row:row + n], requires_grad=t.requires_grad))
+        row += n
+    return fused
+
+
 # --------------------------------------------------------------------------- sequence helper
 
 
@@ -307,5 +335,5 @@ class Session:
         return out
 
 
-__all__ = ["AttnContext", "AttnEvent", "AttentionBackend", "TorchAttention", "Transformer", "Session",
+__all__ = ["AttnContext", "AttnEvent", "AttentionBackend", "TorchAttention", "Transformer", "Session", "fuse_projections",
            "RMSNorm", "rope_inv_freq", "apply_rope", "attention_probs"]

@@ -1,0 +1,3 @@
+from tangram.kernels.bench import main
+
+main()

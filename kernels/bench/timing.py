@@ -1,0 +1,80 @@
+"""Timing helpers of the kernel benchmark: CUDA-graph replays timed with events, eager do_bench, host time."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+L2_BYTES = 50 * 2**20
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_graph(fn, rep_ms: float = 10.0, max_iters: int = 300):
+    """(median, p20, p80) ms of fn captured as one CUDA graph; eager do_bench if capture fails."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - some library launches cannot be captured
+        torch.cuda.synchronize()
+        log(f"graph capture failed ({type(e).__name__}: {str(e)[:80]}); eager timing")
+        return time_eager(fn, rep_ms) + ("eager",)
+    t = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t, 1e-6) * 1e3
+    n = int(min(max_iters, max(5, rep_ms / est)))
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        g.replay()
+        b.record()
+    torch.cuda.synchronize()
+    ts = np.array([a.elapsed_time(b) for a, b in ev])
+    del g
+    return float(np.median(ts)), float(np.percentile(ts, 20)), float(np.percentile(ts, 80)), "graph"
+
+
+def time_eager(fn, rep_ms: float = 15.0):
+    import triton.testing as tt
+
+    q = tt.do_bench(fn, warmup=5, rep=rep_ms, quantiles=[0.5, 0.2, 0.8], return_mode="median")
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def time_host(fn, reps: int = 7):
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
+
+def driver_version() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+

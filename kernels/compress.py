@@ -1,0 +1,440 @@
+"""Batched chunked prefill with fused compression: every prefill chunk of a step, one layer, three launches.
+
+The per-chunk path (:mod:`tangram.kernels.prefill`) issues, per chunk and layer, the attention kernel, the score
+kernel, an average pool, a top-k, a scatter of the keep mask, a cumulative sum and the copy kernel: at 512-token
+chunks that costs 2-4x the chunk's attention (reports/kernels). Here a step's chunks go together (``cu``: their
+token offsets, as flash-attn's varlen ``cu_seqlens``):
+
+1. :func:`prefill_attention_varlen`: each chunk's queries attend to their head's cached (compressed) pages and
+   causally to the chunk; writes the base-2 log-sum-exp of every query row;
+2. :func:`snapkv_scores_varlen`: SnapKV's raw importance of every new token per KV head (the last ``window``
+   queries' probabilities, rebuilt from the LSE, summed over the head's query heads), ``[kp, H, CS]`` fp32;
+3. :func:`select_scatter`: per (chunk, head, block of tokens) one program pools the scores (average over
+   ``pool_kernel`` neighbours, zero padded, as SnapKV), finds the head's top-``k`` threshold by a binary search
+   on the scores' order-preserving integer keys (ties go to the earliest tokens), and copies its block's kept
+   K/V into the head's pages after its current length. No mask, no sort, no per-head host loop; ``k >= c``
+   (``full``) copies everything without scoring.
+
+Other scoring methods plug in at step 3: any ``[kp, H, CS]`` score array (``pooled=True`` when already pooled).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tangram.kernels._triton import runs_triton, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_varlen_kernel(
+    Q, KN, VN, KV, BT, LENS, HEAD2SLOT, CU, OUT, LSE,
+    qk_scale,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+    stride_kvp, stride_kvkv, stride_kvh, stride_kvt, stride_btb, stride_btg, stride_lb,
+    stride_ot, stride_oh, stride_lh,
+    HP: tl.constexpr, GQ: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    qh = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    if mb * BLOCK_M >= c:
+        return
+    h = qh // GQ
+    slot = tl.load(HEAD2SLOT + h)
+    g = slot // HP
+    j = slot % HP
+    n = tl.load(LENS + i * stride_lb + slot)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    mask_m = offs_m < c
+    rows = (row0 + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + qh * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    bt_row = BT + i.to(tl.int64) * stride_btb + g * stride_btg
+    k_base = KV + j * stride_kvh
+    for t in range(0, n, BLOCK_N):  # the head's cached (compressed) KV: visible to every query of the chunk
+        offs_n = t + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < n
+        page = tl.load(bt_row + offs_n // P, mask=mask_n, other=0).to(tl.int64)
+        off = page * stride_kvp + (offs_n % P) * stride_kvt
+        k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(k_base + stride_kvkv + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    hi = tl.minimum(c, (mb + 1) * BLOCK_M)
+    for t in range(0, hi, BLOCK_N):  # the chunk itself, causal
+        offs_n = t + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < c
+        kr = (row0 + offs_n).to(tl.int64)
+        k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(VN + kr[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        ok = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    o = acc / l_i[:, None]
+    tl.store(OUT + rows[:, None] * stride_ot + qh * stride_oh + offs_d[None, :], o.to(OUT.dtype.element_ty),
+             mask=mask_m[:, None])
+    tl.store(LSE + qh * stride_lh + rows, m_i + tl.log2(l_i), mask=mask_m)
+
+
+@triton.jit
+def _snapkv_varlen_kernel(
+    Q, KN, LSE, HEAD2SLOT, CU, OUT,
+    window, qk_scale,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_lh, stride_oi, stride_oh,
+    GQ: tl.constexpr, GQ_P2: tl.constexpr, D: tl.constexpr, W_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Raw SnapKV score of a block of one chunk's new keys of one KV head (0 past the chunk's end): the head's
+    ``GQ`` query heads' window rows stacked into one ``[GQ * W, D]`` operand, one dot."""
+    h = tl.program_id(0)
+    nb = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    slot = tl.load(HEAD2SLOT + h)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_ptr = OUT + i.to(tl.int64) * stride_oi + slot * stride_oh + offs_n
+    if nb * BLOCK_N >= c:
+        tl.store(out_ptr, tl.zeros([BLOCK_N], tl.float32))
+        return
+    w = tl.minimum(window, c)
+    offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
+    gi = offs_r // W_BLOCK
+    rows = c - w + offs_r % W_BLOCK
+    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
+    qh = h * GQ + gi
+    mask_n = offs_n < c
+    kr = (row0 + offs_n).to(tl.int64)
+    qr = (row0 + rows).to(tl.int64)
+    k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
+                other=0.0)
+    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    p = tl.exp2(sc * qk_scale - lse[:, None])
+    ok = mask_r[:, None] & mask_n[None, :] & (offs_n[None, :] <= rows[:, None])
+    acc = tl.sum(tl.where(ok, p, 0.0), 0)
+    tl.store(out_ptr, tl.where(mask_n, acc, 0.0))
+
+
+@triton.jit
+def _pooled(S, offs, c, POOL: tl.constexpr):
+    """Average of the ``POOL`` scores centred on each offset, zero padded outside [0, c) (avg_pool1d)."""
+    R: tl.constexpr = POOL // 2
+    acc = tl.zeros(offs.shape, tl.float32)
+    for j in tl.static_range(POOL):
+        o = offs + (j - R)
+        acc += tl.load(S + o, mask=(o >= 0) & (o < c), other=0.0)
+    if POOL > 1:
+        acc = acc / POOL
+    return acc
+
+
+@triton.jit
+def _order_key(s):
+    """An int32 that orders like the float32 ``s`` (negative floats: flip the magnitude bits)."""
+    b = s.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+
+
+# max_pages (the step's widest table) takes any value: a specialisation per class would compile inside a run
+@triton.jit(do_not_specialize=["max_pages"])
+def _select_scatter_kernel(
+    SC, KN, VN, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT,
+    max_pages,
+    stride_si, stride_sh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ci, stride_lb, stride_btb,
+    stride_btg, stride_kvp, stride_kvkv, stride_kvh, stride_kvt, stride_ki,
+    HP: tl.constexpr, P: tl.constexpr, D: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr,
+    POOL: tl.constexpr, SELECT: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    tb = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    start = tb * BLOCK_T
+    if start >= c:
+        return
+    if SELECT:
+        cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
+    else:
+        cnt = c
+    if tb == 0:
+        tl.store(KEPT + i * stride_ki + slot, cnt)
+    if cnt <= 0:
+        return
+    offs_t = start + tl.arange(0, BLOCK_T)
+    valid_t = offs_t < c
+    keep = valid_t
+    rank = offs_t
+    if SELECT:
+        if cnt < c:
+            srow = SC + i.to(tl.int64) * stride_si + slot * stride_sh
+            offs = tl.arange(0, C_BLOCK)
+            valid = offs < c
+            key = _order_key(_pooled(srow, offs, c, POOL))
+            lo = tl.full([], -2147483648, tl.int64)
+            hi = tl.full([], 2147483647, tl.int64)
+            for _ in range(32):  # largest T with #(key >= T) >= cnt: the cnt-th largest key
+                mid = lo + (hi - lo + 1) // 2
+                n_ge = tl.sum((valid & (key >= mid.to(tl.int32))).to(tl.int32), 0)
+                lo = tl.where(n_ge >= cnt, mid, lo)
+                hi = tl.where(n_ge >= cnt, hi, mid - 1)
+            thr = lo.to(tl.int32)
+            n_gt = tl.sum((valid & (key > thr)).to(tl.int32), 0)
+            need_ties = cnt - n_gt  # ties at the threshold: the earliest tokens win
+            before = valid & (offs < start)
+            gt_before = tl.sum((before & (key > thr)).to(tl.int32), 0)
+            ties_before = tl.sum((before & (key == thr)).to(tl.int32), 0)
+            key_t = _order_key(_pooled(srow, offs_t, c, POOL))
+            tie = valid_t & (key_t == thr)
+            tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+            keep = valid_t & ((key_t > thr) | (tie & (tie_rank < need_ties)))
+            rank = gt_before + tl.minimum(ties_before, need_ties) + tl.cumsum(keep.to(tl.int32), 0) - 1
+    h = tl.load(SLOT2HEAD + slot)
+    g = slot // HP
+    jj = slot % HP
+    pos = tl.load(LENS + i * stride_lb + slot) + rank
+    pidx = pos // P
+    ok = keep & (pidx < max_pages)
+    page = tl.load(BT + i.to(tl.int64) * stride_btb + g * stride_btg + pidx, mask=ok, other=-1)
+    ok = ok & (page >= 0)
+    dst = page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt
+    offs_d = tl.arange(0, D)
+    rows = (row0 + offs_t).to(tl.int64)
+    k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
+    tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def score_width(max_chunk: int) -> int:
+    """Padded score row length for chunks of up to ``max_chunk`` tokens: 1024 up to 1024 tokens, else the next
+    power of two. It is the selection kernel's block (a compile-time constant): two or three classes over a run
+    instead of one per power of two of the chunk lengths a trace produces (each a compile inside a timed step)."""
+    return max(1024, triton.next_power_of_2(int(max_chunk)))
+
+
+def prefill_attention_varlen(q, k, v, cu: torch.Tensor, max_chunk: int, kv_pool, block_table, head_lens,
+                             head_to_slot, *, page_size: int, heads_per_group: int, sm_scale: float | None = None,
+                             out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
+                             num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every chunk of a step: ``q [N, Hq, d]``, ``k``/``v [N, H, d]`` (chunks concatenated, chunk
+    ``i`` = rows ``cu[i]:cu[i+1]``; strided views allowed), ``block_table [kp, G, W]``, ``head_lens [kp, H]``
+    (slot order, before the chunk). Returns ``out [N, Hq, d]`` and the base-2 LSE ``[Hq, N]`` (fp32)."""
+    N, Hq, d = q.shape
+    H = k.shape[1]
+    kp = head_lens.shape[0]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty((N, Hq, d), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((Hq, N), device=q.device, dtype=torch.float32)
+    if not runs_triton(q):
+        from tangram.kernels.prefill import prefill_attention
+
+        cu_np = cu.cpu().numpy()
+        s2h = torch.argsort(head_to_slot.long()).to(torch.int32)
+        for i in range(kp):
+            a, b = int(cu_np[i]), int(cu_np[i + 1])
+            o, ls = prefill_attention(q[a:b], k[a:b], v[a:b], kv_pool, block_table[i], head_lens[i], s2h,
+                                      page_size=page_size, heads_per_group=heads_per_group, sm_scale=sm_scale)
+            out[a:b] = o
+            lse[:, a:b] = ls
+        return out, lse
+    if N == 0 or kp == 0:
+        return out, lse
+    grid = (triton.cdiv(int(max_chunk), block_m), Hq, kp)
+    _prefill_varlen_kernel[grid](
+        q, k, v, kv_pool, block_table, head_lens, head_to_slot, cu, out, lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        block_table.stride(0), block_table.stride(1), head_lens.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HP=heads_per_group, GQ=Hq // H, P=page_size, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+def snapkv_scores_varlen(q, k, lse, cu: torch.Tensor, max_chunk: int, head_to_slot, *, window: int = 32,
+                         sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw (unpooled) SnapKV scores ``[kp, H, score_width(max_chunk)]`` fp32, slot order, 0 past each chunk."""
+    N, Hq, d = q.shape
+    H = k.shape[1]
+    gq = Hq // H
+    kp = cu.numel() - 1
+    CS = score_width(max_chunk)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if out is None:
+        out = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)
+    if not runs_triton(q):
+        out.zero_()
+        cu_np = cu.cpu().numpy()
+        h2s = head_to_slot.long()
+        for i in range(kp):
+            a, b = int(cu_np[i]), int(cu_np[i + 1])
+            c = b - a
+            w = min(window, c)
+            qw = q[b - w:b].double().view(w, H, gq, d)
+            logits = torch.einsum("whgd,chd->hgwc", qw, k[a:b].double()) * (scale * LOG2E)
+            rows = torch.arange(c - w, c, device=q.device)
+            causal = torch.arange(c, device=q.device)[None, :] <= rows[:, None]
+            p = torch.exp2(logits - lse[:, b - w:b].double().view(H, gq, w, 1)).masked_fill(~causal, 0.0)
+            out[i, h2s, :c] = p.sum(dim=(1, 2)).float()
+        return out
+    if kp == 0:
+        return out
+    block_n = min(64, CS)
+    gq_p2 = triton.next_power_of_2(gq)
+    w_block = max(16 // gq_p2 if gq_p2 < 16 else 1, triton.next_power_of_2(window))  # >= 16 stacked rows
+    _snapkv_varlen_kernel[(H, triton.cdiv(CS, block_n), kp)](
+        q, k, lse, head_to_slot, cu, out, window, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), out.stride(0), out.stride(1),
+        GQ=gq, GQ_P2=gq_p2, D=d, W_BLOCK=w_block, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )
+    return out
+
+
+def pool_scores(scores: torch.Tensor, pool_kernel: int = 7) -> torch.Tensor:
+    """SnapKV's average pooling of ``[kp, H, CS]`` raw scores (zero padded), as :func:`select_scatter` does."""
+    kp, H, CS = scores.shape
+    if pool_kernel <= 1:
+        return scores
+    return F.avg_pool1d(scores.reshape(kp * H, 1, CS), pool_kernel, stride=1, padding=pool_kernel // 2).view(kp, H, CS)
+
+
+def global_keep_counts(pooled: torch.Tensor, cu: torch.Tensor, global_keep: torch.Tensor,
+                       max_keep: int | None = None) -> torch.Tensor:
+    """Per-head counts ``[kp, H]`` int32 of each chunk's global top-``global_keep[i]`` over its ``H x c`` pooled
+    scores (dynamic mode): the per-head top-count selection then keeps that same set (ties at the threshold go
+    to the first slots, the earliest tokens). ``max_keep``: ``global_keep.max()`` known on the host (else read
+    back from the device, a sync)."""
+    kp, H, CS = pooled.shape
+    c = (cu[1:] - cu[:-1]).long()
+    valid = torch.arange(CS, device=pooled.device)[None, :] < c[:, None]  # [kp, CS]
+    s = pooled.masked_fill(~valid[:, None, :], float("-inf")).reshape(kp, -1)
+    gk = torch.minimum(global_keep.long(), c * H)
+    kmax = max(1, int(max_keep if max_keep is not None else (gk.max() if gk.numel() else 1)))
+    top = s.topk(min(kmax, s.shape[1]), dim=1).values  # [kp, kmax] descending
+    thr = top.gather(1, (gk - 1).clamp(min=0)[:, None])[:, :, None]  # the gk-th largest score
+    n_gt = ((pooled > thr) & valid[:, None, :]).sum(2)
+    ties = ((pooled == thr) & valid[:, None, :]).sum(2)
+    need = (gk - n_gt.sum(1))[:, None]  # scores equal to the threshold still to keep: to the first heads
+    alloc = torch.minimum(ties, (need - (ties.cumsum(1) - ties)).clamp(min=0))
+    counts = (n_gt + alloc).to(torch.int32)
+    return torch.where(gk[:, None] > 0, counts, torch.zeros_like(counts))
+
+
+def select_scatter(scores, k, v, cu: torch.Tensor, max_chunk: int, counts, kv_pool, block_table, head_lens,
+                   slot_to_head, *, page_size: int, heads_per_group: int, pool_kernel: int = 7,
+                   kept: torch.Tensor | None = None, block_t: int = 64) -> torch.Tensor:
+    """Append each head's top-``counts[i, slot]`` new tokens of chunk ``i`` (by ``scores``, pooled here over
+    ``pool_kernel`` neighbours) after its ``head_lens[i, slot]`` tokens. ``scores=None`` or ``counts=None``
+    keeps every token (full). Tokens past a table's pages or on pages < 0 are dropped (the allocator reserved
+    them). Returns the kept counts ``[kp, H]`` int32 (``kept``, if given, is filled)."""
+    kp, H = head_lens.shape
+    d = k.shape[2]
+    if kept is None:
+        kept = torch.empty((kp, H), dtype=torch.int32, device=k.device)
+    select = scores is not None and counts is not None
+    if not runs_triton(k):
+        _torch_select_scatter(scores, k, v, cu, counts, kv_pool, block_table, head_lens, slot_to_head,
+                              page_size, heads_per_group, pool_kernel if select else 1, kept, select)
+        return kept
+    if kp == 0:
+        return kept
+    sc = scores if select else kept
+    cnt = counts if select else kept
+    grid = (H, triton.cdiv(int(max_chunk), block_t), kp)
+    _select_scatter_kernel[grid](
+        sc, k, v, cu, cnt, head_lens, slot_to_head, block_table, kv_pool, kept,
+        block_table.shape[2],
+        sc.stride(0) if select else 0, sc.stride(1) if select else 0, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), cnt.stride(0) if select else 0, head_lens.stride(0), block_table.stride(0),
+        block_table.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+        kept.stride(0),
+        HP=heads_per_group, P=page_size, D=d, C_BLOCK=scores.shape[2] if select else 16, BLOCK_T=block_t,
+        POOL=pool_kernel if select else 1, SELECT=select,
+        # the threshold search is 32 reductions over the chunk's scores: fewer warps, cheaper reductions
+        num_warps=2 if not select or scores.shape[2] <= 1024 else 4,
+    )
+    return kept
+
+
+def _torch_select_scatter(scores, k, v, cu, counts, pool, table, lens, s2h, P, Hp, pool_kernel, kept, select):
+    """The same selection in torch (CPU without the interpreter): stable top-k, earliest ties first."""
+    cu_np = cu.cpu().numpy()
+    kp, H = lens.shape
+    pooled = pool_scores(scores.float(), pool_kernel) if select else None
+    heads = s2h.long()
+    for i in range(kp):
+        a, b = int(cu_np[i]), int(cu_np[i + 1])
+        c = b - a
+        for slot in range(H):
+            n = min(int(counts[i, slot]), c) if select else c
+            kept[i, slot] = max(n, 0)
+            if n <= 0:
+                continue
+            if n >= c:
+                idx = torch.arange(c, device=k.device)
+            else:
+                s = pooled[i, slot, :c].double().cpu().numpy()
+                order = np.argsort(-s, kind="stable")[:n]
+                idx = torch.from_numpy(np.sort(order)).to(k.device)
+            pos = int(lens[i, slot]) + torch.arange(idx.numel(), device=k.device)
+            pidx = pos // P
+            ok = pidx < table.shape[2]
+            idx, pos, pidx = idx[ok], pos[ok], pidx[ok]
+            page = table[i, slot // Hp, pidx].long()
+            ok = page >= 0
+            idx, pos, page = idx[ok], pos[ok], page[ok]
+            h = int(heads[slot])
+            pool[page, 0, slot % Hp, pos % P] = k[a + idx, h].to(pool.dtype)
+            pool[page, 1, slot % Hp, pos % P] = v[a + idx, h].to(pool.dtype)
+
+
+__all__ = ["prefill_attention_varlen", "snapkv_scores_varlen", "select_scatter", "pool_scores",
+           "global_keep_counts", "score_width"]

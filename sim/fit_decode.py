@@ -1,0 +1,153 @@
+"""``python -m tangram.sim.fit_decode [TABLES_DIR]``: fit the decode-launch costs the AOT regime choice uses.
+
+The split table (engine) and the cost model (simulator) choose each (batch bucket, context bucket, layer)'s split
+map by :func:`tangram.planner.decode_layer_times`, whose five constants (:class:`tangram.planner.DecodeCosts`)
+this fits to the kernel benchmark's ``decode_attention.csv``: every ``static_split`` and ``tangram_aot`` row is
+re-priced from the lengths and split maps it ran with (the synthetic profile of its rho and seed, the
+FlashDecoding split count or the row's AOT table), and the constants minimise the squared log error
+(``scipy.optimize.least_squares``, positive by construction). Writes ``decode_costs.json`` into the folder with
+the fit's error per kernel, so a reader sees how well the choice is informed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tangram.budgets import constant_profile, head_groups, synthetic_profile
+from tangram.config import get_model
+from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
+                             flashdecoding_num_splits)
+
+from .tables import TABLES_ROOT, CostTables
+
+KERNELS = ("static_split", "tangram_aot")
+
+
+def _profile(model, rho: float, seed):
+    if rho >= 1.0:
+        return constant_profile(model.num_layers, model.num_kv_heads, 1.0).B
+    return synthetic_profile(model.num_layers, model.num_kv_heads, rho, seed=int(float(seed))).B
+
+
+def row_cases(df, n_occ: int, num_sms: int, max_rows: int = 400, seed: int = 0) -> list[dict]:
+    """Each usable row as (lens [calls, H], S [calls, G], H_p, batch, gq, d, measured seconds per layer-call)."""
+    rows = df[df["kernel"].isin(KERNELS)]
+    rows = rows[rows["model"].astype(str).isin(["llama-3.1-8b", "smollm2-135m"])]
+    if len(rows) > max_rows:  # stratified: every (kernel, batch) keeps its share
+        rng = np.random.default_rng(seed)
+        keep = []
+        for _, g in rows.groupby(["kernel", "batch"]):
+            n = min(len(g), max(2, max_rows * len(g) // len(rows)))
+            keep += list(g.index[np.sort(rng.choice(len(g), n, replace=False))])
+        rows = rows.loc[keep]
+    out = []
+    for _, r in rows.iterrows():
+        m = get_model(str(r["model"]))
+        H, d, gq = m.num_kv_heads, m.head_dim, m.num_q_heads // m.num_kv_heads
+        batch, ctx, rho = int(r["batch"]), int(r["context"]), float(r["rho"])
+        seed_r = r["profile_seed"] if str(r.get("profile_seed", "")) not in ("", "nan") else 0
+        B = _profile(m, rho, seed_r)
+        calls = [c % m.num_layers for c in range(int(r["n_calls"]))]
+        if r["kernel"] == "static_split":
+            Hp = H
+            perm = np.tile(np.arange(H), (m.num_layers, 1))
+            lens = np.minimum(ctx, np.ceil(B * ctx - 1e-9))[calls]
+            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
+            ns = flashdecoding_num_splits(batch * H, num_sms, max(1, -(-int(lens.max()) // block_n)))
+            S = np.full((len(calls), 1), ns)
+        else:
+            Hp = int(r["heads_per_group"])
+            perm = head_groups(B, Hp)
+            lens = np.minimum(ctx, np.ceil(np.take_along_axis(B, perm, axis=1) * ctx - 1e-9))[calls]
+            waves = float(r["waves"]) if str(r.get("waves", "")) not in ("", "nan") else 1.0
+            S = aot_bucket_split_map(B, perm, Hp, n_occ, batch, waves=waves, context=decode_context_bucket(ctx))[calls]
+        out.append({"kernel": r["kernel"], "lens": lens, "S": S, "hp": Hp, "batch": batch, "gq": gq, "d": d,
+                    "meas": float(r["median_ms"]) * 1e-3})
+    return out
+
+
+def predict(cases: list[dict], costs: DecodeCosts, n_occ: int) -> np.ndarray:
+    return np.array([decode_layer_times(c["lens"], c["S"], c["hp"], c["batch"], n_occ, costs, gq=c["gq"],
+                                        head_dim=c["d"]).mean() for c in cases])
+
+
+def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = ()) -> tuple[DecodeCosts, dict]:
+    """Fit on the folder's decode table plus ``extra`` decode tables of the same GPU (their ``static_split``
+    rows only: an AOT row's map depends on the costs it was chosen with, which only the folder's rows
+    reproduce, being from before the regime choice)."""
+    import pandas as pd
+    from scipy.optimize import least_squares
+
+    t = CostTables.load(tables_dir)
+    if t.decode is None:
+        raise ConfigError(f"{tables_dir}: no decode_attention.csv to fit")
+    n_occ, _ = t.n_cta(int(t.meta.get("sm_count", 132)))
+    num_sms = int(t.meta.get("sm_count", 132))
+    df = t.decode
+    for p in extra:
+        e = pd.read_csv(p)
+        df = pd.concat([df, e[e["kernel"] == "static_split"]], ignore_index=True)
+    cases = row_cases(df, n_occ, num_sms, max_rows)
+    if len(cases) < 10:
+        raise ConfigError(f"{tables_dir}/decode_attention.csv: only {len(cases)} static_split/tangram_aot rows")
+    meas = np.array([c["meas"] for c in cases])
+    start = DecodeCosts.default(t.copy_bandwidth())
+    names = ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")
+    x0 = np.log([getattr(start, k) for k in names])
+
+    def resid(x):
+        c = DecodeCosts(**dict(zip(names, np.exp(x))))
+        return np.log(predict(cases, c, n_occ) / meas)
+
+    # physical bounds: a launch streams at most the copy bandwidth; a lone CTA (head_dim 128) keeps a few tiles in
+    # flight per round trip (10-100 GB/s); without them a table with no few-CTA rows lets cta_bw run to infinity
+    copy = t.copy_bandwidth() or start.bw / 0.94
+    lo = np.log([0.7 * copy, 1e10, 2e-7, 1e-6, 5e-7])
+    hi = np.log([1.0 * copy, 1e11, 1e-5, 2e-5, 2e-5])
+    best = None
+    for cta in np.geomspace(1e10, 1e11, 6):  # the surface has local minima along cta_bw: start from a grid
+        x = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        x[1] = np.log(cta)
+        res = least_squares(resid, x, bounds=(lo, hi), method="trf", max_nfev=100)
+        if best is None or res.cost < best.cost:
+            best = res
+    res = best
+    costs = DecodeCosts(**dict(zip(names, np.exp(res.x))),
+                        source=f"fitted on {len(cases)} rows of {tables_dir.name}/decode_attention.csv")
+    err = np.abs(predict(cases, costs, n_occ) / meas - 1)
+    kinds = np.array([c["kernel"] for c in cases])
+    stats = {k: {"rows": int((kinds == k).sum()), "median_abs_rel_err": float(np.median(err[kinds == k])),
+                 "p90_abs_rel_err": float(np.quantile(err[kinds == k], 0.9))} for k in KERNELS if (kinds == k).any()}
+    return costs, {"n_occ": n_occ, "fit": stats, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                   "command": f"python -m tangram.sim.fit_decode {tables_dir}"
+                   + "".join(f" --extra {p}" for p in extra)}
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="python -m tangram.sim.fit_decode", description=__doc__.splitlines()[0])
+    p.add_argument("tables", nargs="?", default=str(TABLES_ROOT / "h100"), help="tables folder (default %(default)s)")
+    p.add_argument("--max-rows", type=int, default=400, help="rows sampled for the fit (default %(default)s)")
+    p.add_argument("--extra", nargs="*", default=[], help="more decode_attention.csv files of the same GPU "
+                   "(their static_split rows join the fit)")
+    return p
+
+
+@cli_errors
+def main(argv=None) -> int:
+    a = parse_cli(_parser(), argv)
+    d = Path(a.tables)
+    costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra])
+    costs.to_json(d / DecodeCosts.FILENAME, info)
+    print(json.dumps({**{k: getattr(costs, k) for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")}, **info},
+                     indent=1))
+    print(f"wrote {d / DecodeCosts.FILENAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
