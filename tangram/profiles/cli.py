@@ -1,12 +1,13 @@
 """``tangram-profile``: run a compression method's scoring on a real model and write a BudgetProfile.
 
-Example (the shipped SmolLM2 profile)::
+Example (the shipped SmolLM2 profiles of one method)::
 
     tangram-profile --model smollm2-135m --weights auto --method ada-snapkv --samples 50 \\
-        --rho 0.5 --alpha 2 --corpus scbench-synth --split calib -o profile.npz
+        --rho 0.75,0.5,0.25,0.1 --scope per-layer,cross-layer --alpha 2 --corpus scbench-synth --split calib \\
+        -o 'tangram/profiles/data/smollm2-135m_{method}_{scope}_rho{rho}.npz'
 
-``--rho`` takes a comma list; then ``-o`` must contain ``{rho}`` and one
-scoring pass writes one profile per ratio.
+``--rho`` and ``--scope`` take comma lists; then ``-o`` must contain ``{rho}``
+(``{scope}``) and one scoring pass writes one profile per (scope, ratio).
 """
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ import sys
 from pathlib import Path
 
 from tangram.errors import ConfigError, InputError, cli_errors
+
+
+def _scopes(text: str, method: str) -> list[str]:
+    from tangram.budgets import SCOPES, check_method_scope
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals:
+        raise ConfigError("--scope needs at least one of per-layer, cross-layer")
+    for v in vals:
+        if v == "uniform":
+            raise ConfigError("--scope uniform needs no calibration: every head keeps its layer's target "
+                              "(tangram.budgets.uniform_profile)")
+        if v not in SCOPES:
+            raise ConfigError(f"--scope: unknown budget scope {v!r}; choose from per-layer, cross-layer")
+        check_method_scope(method, v)
+    return list(dict.fromkeys(vals))
 
 
 def _rhos(text: str) -> list[float]:
@@ -31,7 +47,7 @@ def _rhos(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     from tangram.profiles.corpus import CORPORA, SPLITS
-    from tangram.profiles.scoring import METHODS
+    from tangram.budgets import METHODS
     p = argparse.ArgumentParser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="model preset (tangram.config.MODELS)")
     p.add_argument("--weights", default="auto", help="auto | random | PATH.gguf | HF safetensors directory")
@@ -40,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="ada-snapkv", choices=METHODS)
     p.add_argument("--samples", type=int, default=50)
     p.add_argument("--rho", default="0.5", help="target global retention ratio(s), e.g. 0.5 or 0.25,0.5,0.75")
+    p.add_argument("--scope", default="per-layer",
+                   help="budget scope(s) the retention is taken under: per-layer (Ada-KV: one threshold per layer) "
+                        "and/or cross-layer (one threshold over all layers), e.g. per-layer,cross-layer")
     p.add_argument("--alpha", type=float, default=2.0, help="safety margin of eq. 5")
     p.add_argument("--corpus", default="scbench-synth", choices=CORPORA)
     p.add_argument("--split", default="calib", choices=list(SPLITS))
@@ -47,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk C; each chunk is scored on its own")
     p.add_argument("--unit", default="chunk", choices=("chunk", "sample"),
                    help="retention sample unit: per full prefill chunk (engine budgets are per chunk) or per prompt")
-    p.add_argument("--window", type=int, default=None, help="observation window (default 32 SnapKV, 64 EA)")
+    p.add_argument("--window", type=int, default=None,
+                   help="SnapKV/PyramidKV observation window (default 32; tangram.kernels.scoring.ScoreParams)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("-o", "--output", required=True, help="profile path (.npz or .json); {rho} is substituted")
+    p.add_argument("-o", "--output", required=True,
+                   help="profile path (.npz or .json); {rho}, {scope} and {method} are substituted")
     return p
 
 
@@ -58,19 +79,33 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rhos = _rhos(args.rho)
+    scopes = _scopes(args.scope, args.method)
     if len(rhos) > 1 and "{rho}" not in args.output:
         raise ConfigError("several --rho values need an output pattern containing {rho}")
+    if len(scopes) > 1 and "{scope}" not in args.output:
+        raise ConfigError("several --scope values need an output pattern containing {scope}")
     if args.samples < 1 or args.context_tokens < 16 or args.chunk_size < 2:
         raise ConfigError("--samples >= 1, --context-tokens >= 16 and --chunk-size >= 2 are required")
     if args.alpha < 0:
         raise ConfigError(f"--alpha must be >= 0, got {args.alpha}")
-    for r in rhos:
-        out = Path(args.output.replace("{rho}", f"{r:g}"))
-        if out.suffix not in (".npz", ".json"):
-            raise InputError(str(out), None, "-o", "profile file must end in .npz or .json")
+    if args.window is not None and args.window < 1:
+        raise ConfigError(f"--window must be >= 1, got {args.window}")
+
+    def out_path(scope: str, rho: float) -> str:
+        return args.output.replace("{rho}", f"{rho:g}").replace("{scope}", scope).replace("{method}", args.method)
+
+    for sc in scopes:
+        for r in rhos:
+            out = Path(out_path(sc, r))
+            if out.suffix not in (".npz", ".json"):
+                raise InputError(str(out), None, "-o", "profile file must end in .npz or .json")
+    import dataclasses
+    import time
+
     import torch
 
-    from tangram.profiles.retention import retention_samples
+    from tangram.kernels.scoring import ScoreParams
+    from tangram.profiles.retention import retention_by_scope
     from tangram.profiles.corpus import build_corpus
     from tangram.engine.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
@@ -81,23 +116,33 @@ def main(argv: list[str] | None = None) -> int:
     if tok.vocab_size > model.cfg.vocab:
         raise ConfigError(f"tokenizer has {tok.vocab_size} tokens but model {model.cfg.name} only {model.cfg.vocab}")
     samples = build_corpus(args.samples, args.split, corpus=args.corpus, context_tokens=args.context_tokens)
-    r = retention_samples(model, tok, samples, args.method, rhos, chunk=args.chunk_size, window=args.window,
-                          progress=not args.no_progress, unit=args.unit)
+    t0 = time.perf_counter()
+    r = retention_by_scope(model, tok, samples, args.method, rhos, scopes, chunk=args.chunk_size,
+                           window=args.window, progress=not args.no_progress, unit=args.unit)
+    seconds = time.perf_counter() - t0
+    params = dataclasses.asdict(ScoreParams(**({"window": args.window} if args.window else {})))
     from tangram.budgets import calibrate
     prog = Path(sys.argv[0]).name if Path(sys.argv[0]).name in ("tangram-profile", "tangram-calibrate") else "python -m tangram.profiles.cli"
     command = prog + " " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
-    for rho in rhos:
-        prov = {"model": model.cfg.name, "method": args.method, "samples": args.samples, "corpus": args.corpus,
-                "split": args.split, "command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    for (scope, rho), x in r.items():
+        prov = {"model": model.cfg.name, "method": args.method, "scope": scope, "rho": rho, "samples": args.samples,
+                "corpus": args.corpus, "split": args.split, "command": command,
+                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 "weights": info["source"], "synthetic": bool(info.get("synthetic", False)),
-                "chunk_size": args.chunk_size, "unit": args.unit, "retention_samples": int(r[rho].shape[0]),
-                "context_tokens": args.context_tokens,
-                "window": args.window, "tasks": sorted({s.task for s in samples}), "torch": torch.__version__}
-        prof = calibrate(r[rho], args.alpha, rho=rho, method=args.method, model=model.cfg.name, provenance=prov)
-        out = prof.save(args.output.replace("{rho}", f"{rho:g}"))
+                "chunk_size": args.chunk_size, "unit": args.unit, "retention_samples": int(x.shape[0]),
+                "context_tokens": args.context_tokens, "score_params": params,
+                "scoring_seconds": round(seconds, 1), "torch_threads": torch.get_num_threads(),
+                "tasks": sorted({s.task for s in samples}), "torch": torch.__version__}
+        prof = calibrate(x, args.alpha, rho=rho, method=args.method, model=model.cfg.name, provenance=prov,
+                         scope=scope)
+        out = prof.save(out_path(scope, rho))
         B = prof.B
-        print(f"{out}: {prof.shape[0]}x{prof.shape[1]} heads, rho={rho:g} alpha={args.alpha:g} "
-              f"mean B={B.mean():.3f} (min {B.min():.3f}, max {B.max():.3f}), mean sigma={prof.sigma.mean():.3f}")
+        lm = prof.mu.mean(axis=1)
+        print(f"{out}: {prof.shape[0]}x{prof.shape[1]} heads, {scope} rho={rho:g} alpha={args.alpha:g} "
+              f"mean B={B.mean():.3f} (min {B.min():.3f}, max {B.max():.3f}), mean sigma={prof.sigma.mean():.3f}, "
+              f"layer means of mu {lm.min():.3f}..{lm.max():.3f}")
+    print(f"scoring pass: {seconds:.1f} s for {args.samples} samples ({args.method}, torch threads "
+          f"{torch.get_num_threads()})")
     return 0
 
 

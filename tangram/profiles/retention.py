@@ -5,9 +5,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tangram.budgets import BudgetProfile, calibrate
+from tangram.budgets import BudgetProfile, calibrate, check_method_scope
 from tangram.profiles.corpus import Sample
-from tangram.profiles.scoring import ChunkScorer, global_topk_mask, make_scorer
+from tangram.profiles.scoring import ChunkScorer, make_scorer, scope_keep_mask
 from tangram.engine.model import Session, TorchAttention, Transformer
 
 
@@ -22,19 +22,23 @@ def chunk_scores(model: Transformer, tokens: list[int], scorer: ChunkScorer, chu
     sess = Session(model, TorchAttention(model.cfg, observers=[scorer]))
     out = []
     for a in range(0, len(tokens), chunk):
-        sess.forward(tokens[a:a + chunk], last_only=True)
+        piece = tokens[a:a + chunk]
+        sess.forward(piece, last_only=True)
+        scorer.after_chunk(sess, piece)
         out.append(scorer.take()[:, 0])
     return out
 
 
-def retention_from_scores(scores: list[torch.Tensor], rho: float, unit: str = "sample") -> np.ndarray:
-    """Implicit per-head retention of a layer-wide top-ceil(rho*H*c) per chunk (Ada-KV allocation).
+def retention_from_scores(scores: list[torch.Tensor], rho: float, unit: str = "sample", scope: str = "per-layer",
+                          method: str = "ada-snapkv") -> np.ndarray:
+    """Implicit per-head retention of the method's threshold per chunk (``scope``: per-layer = Ada-KV's
+    layer-wide top-ceil(r_l*H*c), cross-layer = one top-ceil(rho*L*H*c) over every layer and head).
 
     unit="sample": one [L, H] ratio over the whole prompt (the paper's per-input ratio).
     unit="chunk": one [L, H] ratio per full-size chunk, [c, L, H] -- the unit the engine reserves budgets for,
     so sigma also covers chunk-to-chunk variation (a prompt shorter than one chunk counts as one chunk).
     """
-    masks = [global_topk_mask(s, rho).sum(-1).double() for s in scores]
+    masks = [scope_keep_mask(s, rho, scope, method).sum(-1).double() for s in scores]
     if unit == "sample":
         return (sum(masks) / sum(s.shape[-1] for s in scores)).cpu().numpy()
     if unit != "chunk":
@@ -44,23 +48,36 @@ def retention_from_scores(scores: list[torch.Tensor], rho: float, unit: str = "s
     return torch.stack(per).cpu().numpy()
 
 
+def retention_by_scope(model: Transformer, tok, samples: list[Sample], method: str, rhos: list[float],
+                       scopes: list[str], *, chunk: int = 512, window: int | None = None, progress: bool = True,
+                       unit: str = "sample") -> dict[tuple[str, float], np.ndarray]:
+    """{(scope, rho): [n, L, H]}: one scoring pass per sample serves every scope and ratio (scores depend on
+    neither)."""
+    for sc in scopes:
+        check_method_scope(method, sc)
+    scorer = make_scorer(method, model.cfg.num_layers, window, tokenizer=tok)
+    out: dict[tuple[str, float], list[np.ndarray]] = {(sc, r): [] for sc in scopes for r in rhos}
+    for s in tqdm(samples, desc=f"calibrate {method}", unit="sample", disable=not progress):
+        sc_list = chunk_scores(model, prompt_tokens(tok, s), scorer, chunk)
+        for key in out:
+            x = retention_from_scores(sc_list, key[1], unit, key[0], method)
+            out[key].extend(x if unit == "chunk" else [x])
+    return {k: np.stack(v) for k, v in out.items()}
+
+
 def retention_samples(model: Transformer, tok, samples: list[Sample], method: str, rhos: list[float], *,
                       chunk: int = 512, window: int | None = None, progress: bool = True,
-                      unit: str = "sample") -> dict[float, np.ndarray]:
-    """{rho: [n, L, H]}: one scoring pass per sample serves every target ratio (scores do not depend on rho)."""
-    scorer = make_scorer(method, model.cfg.num_layers, window)
-    out: dict[float, list[np.ndarray]] = {r: [] for r in rhos}
-    for s in tqdm(samples, desc=f"calibrate {method}", unit="sample", disable=not progress):
-        sc = chunk_scores(model, prompt_tokens(tok, s), scorer, chunk)
-        for r in rhos:
-            x = retention_from_scores(sc, r, unit)
-            out[r].extend(x if unit == "chunk" else [x])
-    return {r: np.stack(v) for r, v in out.items()}
+                      unit: str = "sample", scope: str = "per-layer") -> dict[float, np.ndarray]:
+    """{rho: [n, L, H]} under one scope."""
+    r = retention_by_scope(model, tok, samples, method, rhos, [scope], chunk=chunk, window=window,
+                           progress=progress, unit=unit)
+    return {rho: r[(scope, rho)] for rho in rhos}
 
 
 def profile_from_samples(r: np.ndarray, alpha: float, rho: float, method: str, model: str,
-                         provenance: dict) -> BudgetProfile:
-    return calibrate(r, alpha, rho=rho, method=method, model=model, provenance=provenance)
+                         provenance: dict, scope: str = "per-layer") -> BudgetProfile:
+    return calibrate(r, alpha, rho=rho, method=method, model=model, provenance=provenance, scope=scope)
 
 
-__all__ = ["prompt_tokens", "chunk_scores", "retention_from_scores", "retention_samples", "profile_from_samples"]
+__all__ = ["prompt_tokens", "chunk_scores", "retention_from_scores", "retention_by_scope", "retention_samples",
+           "profile_from_samples"]
