@@ -11,11 +11,15 @@ attention is per kind:
   ``static`` (FlashDecoding's ``num_splits`` for every head) or ``runtime``
   (FlashInfer-style per-layer plan built on the host every step, timed as
   ``runtime_plan``);
-* prefill rows go through chunk attention with fused compression: SnapKV scores,
-  per-head top-k of ``plan.prefill_keep`` (static modes) or the layer's global
-  top-k (``dynamic``; the realised per-head keep goes back as
-  ``StepResult.realized_keep`` so the scheduler can reclaim pages), and a scatter
-  of the kept K/V into the pages. ``full`` skips scoring and keeps everything.
+* prefill rows go through chunk attention with fused compression: the scores of
+  ``engine.score_method`` (:func:`tangram.kernels.scoring.engine_chunk_scores`),
+  per-head top-k of ``plan.prefill_keep`` (static modes) or, in ``dynamic``, the
+  selection of ``engine.budget_scope`` (per-layer: the layer's top-k over all its
+  heads; uniform: each head's; cross-layer: one top-k over every layer of the
+  chunk, selected and scattered once the step's forward has scored all layers;
+  the realised per-head keep goes back as ``StepResult.realized_keep`` so the
+  scheduler can reclaim pages), and a scatter of the kept K/V into the pages.
+  ``full`` skips scoring and keeps everything.
 
 Every mode (full, uniform, dynamic, br, br+rp, tangram) runs here; the layout
 (ragged or monolithic) only changes the pool's shape (:mod:`tangram.engine.kv_cache`).
@@ -47,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tangram.budgets import drawn_keep
+from tangram.budgets import drawn_keep, layer_targets
 from tangram.config import EngineConfig
 from tangram.engine.cuda_graphs import DecodeGraphs, StaticBuffers, context_bucket
 from tangram.engine.kv_cache import KVCache
@@ -56,8 +60,9 @@ from tangram.engine.sampling import Sampler, SamplingParams
 from tangram.errors import ConfigError
 from tangram.kernels import (
     AotSplitTable, launch_decode, prefill_attention, runtime_plan_schedules, scatter_kept, select_keep,
-    snapkv_scores, static_split_decode,
+    static_split_decode,
 )
+from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec
 from tangram.plan import StepPlan, StepResult
 from tangram.scheduler import Scheduler
 
@@ -203,6 +208,13 @@ class Executor:
         elif self.partition not in ("static", "runtime"):
             raise ConfigError(f"unknown decode partition {self.partition!r}")
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        if not method_spec(self.engine.score_method).engine:
+            raise ConfigError(f"scoring method {self.engine.score_method!r} needs a reconstruction forward per chunk "
+                              "and cannot run in the engine's fused compression (calibrate it with tangram-profile)")
+        self.score_params = ScoreParams(window=self.opts.score_window)
+        # dynamic mode's kept share per layer (per-layer / uniform scope), or None: one threshold over all layers
+        self.layer_rho = layer_targets(self.engine.score_method, self.engine.budget_scope, self.cfg.num_layers,
+                                       self.engine.rho)
         if self.opts.dynamic_keep not in ("topk", "profile"):
             raise ConfigError(f"dynamic_keep must be topk or profile, got {self.opts.dynamic_keep!r}")
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
@@ -340,6 +352,7 @@ class Executor:
             else:
                 st["max_len"] = plan.decode_head_lens.max(axis=(0, 2)).tolist()
         if kp:
+            st["pf_start"] = plan.prefill_start.tolist()
             st["pf_tables"] = self.cache.tables(self.sched.bt.pages[plan.prefill_rows])
             st["pf_lens"] = self.cache.to_device(plan.prefill_head_lens.astype(np.int32))
             keep = None
@@ -351,7 +364,13 @@ class Executor:
                 keep = np.minimum(keep, plan.prefill_tokens[:, None, None])
                 st["keep_np"], st["keep_dev"] = keep, self.cache.to_device(keep.astype(np.int32))
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
+            if self.retention == "global" and "keep_dev" not in st and self.layer_rho is None:
+                st["deferred"] = [[] for _ in range(kp)]  # cross-layer: (scores, k, v, table, lens) per layer
         x = self._layers(tok_t, pos_t, st)
+        if "deferred" in st:
+            ops.start("compression")
+            self._cross_layer_select(st, bounds)
+            ops.stop("compression")
         # logits only for the rows that sample: decode rows and the last token of completing chunks
         rows = self.cache.to_device(np.asarray(list(range(kd)) + last, dtype=np.int64))
         return self.model.model.norm(x[0].index_select(0, rows)), st, host_plan_s
@@ -457,12 +476,19 @@ class Executor:
                 keep = torch.ones((self.cfg.num_kv_heads, c), dtype=torch.bool, device=q.device)
                 counts = None
             else:
-                scores = snapkv_scores(qi, ki, lse, s2h, window=self.opts.score_window,
-                                       head_to_slot=self.cache.head_to_slot[l])
+                scores = engine_chunk_scores(self.engine.score_method, qi, ki, vi, lse, s2h, pos0=st["pf_start"][i],
+                                             inv_freq=self.model.inv_freq, params=self.score_params,
+                                             head_to_slot=self.cache.head_to_slot[l], scale=self.scale)
                 if "keep_dev" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
                     keep, counts = select_keep(scores, st["keep_np"][i, l], counts=st["keep_dev"][i, l])
-                else:  # dynamic: the layer's global top-k
-                    gk = int(math.ceil(self.engine.rho * self.cfg.num_kv_heads * c - 1e-9))
+                elif "deferred" in st:  # dynamic, cross-layer: selected once every layer has scored the chunk
+                    st["deferred"][i].append((scores, ki, vi, table, hl))
+                    ops.stop("compression")
+                    continue
+                elif self.engine.budget_scope == "uniform":  # dynamic, uniform: each head its layer's share
+                    keep, counts = select_keep(scores, [math.ceil(self.layer_rho[l] * c - 1e-9)] * len(scores))
+                else:  # dynamic, per-layer: the layer's top-k over all its heads
+                    gk = int(math.ceil(self.layer_rho[l] * self.cfg.num_kv_heads * c - 1e-9))
                     keep, counts = select_keep(scores, global_keep=gk)
                 if self.retention == "global":
                     st["realized"][i, l] = counts
@@ -470,6 +496,22 @@ class Executor:
                          counts=counts)
             ops.stop("compression")
         return out.transpose(0, 1)[None]
+
+    def _cross_layer_select(self, st: dict, bounds: list[int]) -> None:
+        """Dynamic mode, cross-layer scope: each chunk keeps its top ceil(rho * L * H * c) keys over every layer and
+        head at once (one threshold), then each layer's kept K/V is scattered as in the per-layer path. The chunk's
+        own attention never reads its pages, so deferring the scatter to the end of the step changes nothing."""
+        for i, rows in enumerate(st["deferred"]):
+            c = bounds[i + 1] - bounds[i]
+            scores = torch.stack([r[0] for r in rows])  # [L, H, c], slot order within each layer
+            L, H = scores.shape[:2]
+            gk = int(math.ceil(self.engine.rho * L * H * c - 1e-9))
+            keep, counts = select_keep(scores.reshape(L * H, c), global_keep=gk)
+            keep, counts = keep.view(L, H, c), counts.view(L, H)
+            for l, (_, ki, vi, table, hl) in enumerate(rows):
+                scatter_kept(ki, vi, keep[l], self.cache.layer_pool(l), table, hl, self.cache.slot_to_head[l],
+                             page_size=self.P, heads_per_group=self.hp, counts=counts[l])
+            st["realized"][i] = counts
 
     # ------------------------------------------------------------------ checks
     def pages_in_use(self) -> int:
