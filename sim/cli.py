@@ -94,12 +94,28 @@ def _modes(values) -> list[str]:
     return out
 
 
+def adopt_profile_method(engine: EngineConfig, profile, named: dict, path: str) -> EngineConfig:
+    """A calibrated profile names the method and scope it was taken under; the run adopts them, and a config
+    that names different ones is an error (its budgets would not be that method's)."""
+    from tangram.budgets import METHODS
+
+    if profile.method not in METHODS:  # synthetic or constant profiles belong to no method
+        return engine
+    for field, val in (("score_method", profile.method), ("budget_scope", profile.scope)):
+        if field in named and named[field] != val:
+            raise InputError(path, None, field, f"profile calibrated for {val!r}, but the config asks for "
+                                                f"{named[field]!r}")
+    return engine.with_(score_method=profile.method, budget_scope=profile.scope)
+
+
 def resolve(args) -> dict:
     """Merge --config (lowest), then command-line flags, into everything a run needs."""
     from tangram.budgets import BudgetProfile
     from tangram.traces import default_trace_path, load_trace
 
-    from .run import SimSpec, default_profile, parse_slo
+    from tangram.profiles.registry import default_profile
+
+    from .run import SimSpec, parse_slo
 
     cfg = _load_config(args.config) if args.config else {}
     eng_d = {k: v for k, v in cfg.items() if k not in RUN_KEYS}
@@ -129,10 +145,11 @@ def resolve(args) -> dict:
             profile.check_model(model.num_layers, model.num_kv_heads, model.name)
         except ConfigError as e:
             raise InputError(str(prof_path), None, None, str(e)) from None
+        engine = adopt_profile_method(engine, profile, eng_d, str(prof_path))
         profile_label = str(prof_path)
     else:
-        profile = default_profile(model, engine.rho, engine.alpha, seed)
-        profile_label = f"synthetic (tangram.budgets.synthetic_profile, seed {seed}, rho {engine.rho:g})"
+        profile, profile_label = default_profile(model, engine.rho, engine.alpha, seed, engine.score_method,
+                                                 engine.budget_scope)
     trace_path = args.trace or cfg.get("trace") or str(default_trace_path())
     trace = load_trace(trace_path)
     rate_scale = args.rate_scale if args.rate_scale is not None else cfg.get("rate_scale")

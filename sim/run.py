@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tangram.budgets import BudgetProfile, synthetic_profile
+from tangram.budgets import BudgetProfile
 from tangram.config import EngineConfig, GPUConfig, ModelConfig, kv_pool_bytes
 from tangram.errors import ConfigError
 from tangram.metrics import latency_summary, time_weighted_mean
@@ -43,8 +43,13 @@ def parse_slo(text: str) -> dict[str, float]:
     return out
 
 
-def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0) -> BudgetProfile:
-    return synthetic_profile(model.num_layers, model.num_kv_heads, rho, alpha=alpha, seed=seed, model=model.name)
+def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0, method: str = "ada-snapkv",
+                    scope: str = "per-layer") -> BudgetProfile:
+    """The profile of a run that names none (:func:`tangram.profiles.registry.default_profile`: the shipped
+    calibration when there is one, else synthetic)."""
+    from tangram.profiles.registry import default_profile as resolve
+
+    return resolve(model, rho, alpha, seed, method, scope)[0]
 
 
 @dataclass
