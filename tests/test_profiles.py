@@ -121,35 +121,53 @@ def smollm2():
     return model, load_tokenizer(info["gguf_path"])
 
 
-@pytest.mark.parametrize("method", ["ada-snapkv", "pyramidkv", "keydiff", "tova", "streaming-llm",
-                                    "expected-attention", "kvzip"])
-def test_tiny_calibration_run_writes_valid_profile(tmp_path, smollm2, monkeypatch, method):
-    """The CLI on the real SmolLM2 GGUF for every method: 2 short samples, two ratios and both scopes from one
-    scoring pass, loadable profiles with provenance; per-layer keeps each layer's target, cross-layer the total."""
+def test_tiny_calibration_run_writes_valid_profiles(tmp_path, smollm2, monkeypatch):
+    """The CLI on the real SmolLM2 GGUF, every method from one forward per chunk: 2 short samples, two ratios and
+    both scopes, loadable profiles with provenance; per-layer keeps each layer's target, cross-layer the total."""
     import tangram.engine.weights as w
-    from tangram.budgets import layer_targets
+    from tangram.budgets import METHODS, layer_targets
     from tangram.profiles import cli
     model, _ = smollm2
     monkeypatch.setattr(w, "load_model", lambda *a, **k: (model, {"source": "smollm2-gguf",
                                                                    "gguf_path": str(w.smollm2_gguf_path())}))
-    scopes = ["per-layer"] if method == "pyramidkv" else ["per-layer", "cross-layer"]
     out = tmp_path / "{method}_{scope}_{rho}.npz"
     with pytest.raises(SystemExit) as e:
-        cli.main(["--samples", "2", "--rho", "0.25,0.5", "--scope", ",".join(scopes), "--context-tokens", "96",
-                  "--chunk-size", "64", "--method", method, "--no-progress", "-o", str(out)])
+        cli.main(["--samples", "2", "--rho", "0.25,0.5", "--scope", "per-layer,cross-layer", "--context-tokens", "96",
+                  "--chunk-size", "64", "--method", ",".join(METHODS), "--threads", "1", "--no-progress",
+                  "-o", str(out)])
     assert e.value.code == 0
-    for scope in scopes:
-        for rho in (0.25, 0.5):
-            p = BudgetProfile.load(tmp_path / f"{method}_{scope}_{rho:g}.npz")
-            assert p.shape == (30, 3) and p.rho == rho and p.method == method and p.model == "smollm2-135m"
-            assert p.scope == scope and p.provenance["scope"] == scope and p.provenance["method"] == method
-            assert p.provenance["samples"] == 2 and p.provenance["split"] == "calib" and "command" in p.provenance
-            assert p.provenance["scoring_seconds"] > 0
-            assert np.all((p.B > 0) & (p.B <= 1))
-            if scope == "per-layer":  # a layer-wide top-k keeps each layer's target of every chunk
-                assert np.allclose(p.mu.mean(axis=1), layer_targets(method, scope, 30, rho), atol=0.02)
-            else:  # one threshold over all layers: only the total is fixed
-                assert p.mu.mean() == pytest.approx(rho, abs=0.01)
+    for method in METHODS:
+        scopes = ["per-layer"] if method == "pyramidkv" else ["per-layer", "cross-layer"]
+        assert not (tmp_path / f"pyramidkv_cross-layer_0.5.npz").exists()
+        for scope in scopes:
+            for rho in (0.25, 0.5):
+                p = BudgetProfile.load(tmp_path / f"{method}_{scope}_{rho:g}.npz")
+                assert p.shape == (30, 3) and p.rho == rho and p.method == method and p.model == "smollm2-135m"
+                assert p.scope == scope and p.provenance["scope"] == scope and p.provenance["method"] == method
+                assert p.provenance["samples"] == 2 and p.provenance["split"] == "calib" and "command" in p.provenance
+                assert p.provenance["pass_methods"] == list(METHODS)
+                assert 0 < p.provenance["scorer_seconds"] < p.provenance["pass_seconds"]
+                assert np.all((p.B > 0) & (p.B <= 1))
+                if scope == "per-layer":  # a layer-wide top-k keeps each layer's target of every chunk
+                    assert np.allclose(p.mu.mean(axis=1), layer_targets(method, scope, 30, rho), atol=0.02)
+                else:  # one threshold over all layers: only the total is fixed
+                    assert p.mu.mean() == pytest.approx(rho, abs=0.01)
+
+
+def test_one_forward_serves_every_method(smollm2):
+    """Scores from the shared pass equal each method's own pass (KVzip's repeat forward does not leak into the
+    others' scores, nor theirs into it)."""
+    from tangram.profiles.retention import chunk_scores, chunk_scores_multi
+    from tangram.profiles.scoring import make_scorer
+    model, tok = smollm2
+    toks = tok.encode("The quick brown fox jumps over the lazy dog. " * 9)[:70]  # chunks of 32, 32, 6
+    methods = ["ada-snapkv", "kvzip", "expected-attention"]
+    multi = chunk_scores_multi(model, toks, [make_scorer(m, 30, tokenizer=tok) for m in methods], 32)
+    for m, got in zip(methods, multi):
+        alone = chunk_scores(model, toks, make_scorer(m, 30, tokenizer=tok), 32)
+        assert len(got) == len(alone) == 3
+        for a, b in zip(got, alone):
+            assert torch.equal(a, b), m
 
 
 @pytest.mark.parametrize("argv,msg", [(["--rho", "0.2,0.4"], "{rho}"),

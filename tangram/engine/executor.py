@@ -358,6 +358,9 @@ class Executor:
             keep = None
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
                 keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
+            elif self.retention == "global" and self.engine.budget_scope == "uniform":  # no threshold: per head
+                c = plan.prefill_tokens[:, None, None]
+                keep = np.broadcast_to(np.ceil(self.layer_rho[None, :, None] * c - 1e-9), (kp, L, H)).astype(np.int64)
             elif self.retention not in ("full", "global"):
                 keep = plan.prefill_keep
             if keep is not None:  # every layer's per-head counts in one pinned copy (no per-layer stream sync)
@@ -479,14 +482,12 @@ class Executor:
                 scores = engine_chunk_scores(self.engine.score_method, qi, ki, vi, lse, s2h, pos0=st["pf_start"][i],
                                              inv_freq=self.model.inv_freq, params=self.score_params,
                                              head_to_slot=self.cache.head_to_slot[l], scale=self.scale)
-                if "keep_dev" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
+                if "keep_dev" in st:  # per-head counts: the plan's (static), drawn (dynamic, profile) or uniform scope
                     keep, counts = select_keep(scores, st["keep_np"][i, l], counts=st["keep_dev"][i, l])
                 elif "deferred" in st:  # dynamic, cross-layer: selected once every layer has scored the chunk
                     st["deferred"][i].append((scores, ki, vi, table, hl))
                     ops.stop("compression")
                     continue
-                elif self.engine.budget_scope == "uniform":  # dynamic, uniform: each head its layer's share
-                    keep, counts = select_keep(scores, [math.ceil(self.layer_rho[l] * c - 1e-9)] * len(scores))
                 else:  # dynamic, per-layer: the layer's top-k over all its heads
                     gk = int(math.ceil(self.layer_rho[l] * self.cfg.num_kv_heads * c - 1e-9))
                     keep, counts = select_keep(scores, global_keep=gk)

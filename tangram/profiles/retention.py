@@ -19,13 +19,34 @@ def prompt_tokens(tok, sample: Sample) -> list[int]:
 @torch.no_grad()
 def chunk_scores(model: Transformer, tokens: list[int], scorer: ChunkScorer, chunk: int) -> list[torch.Tensor]:
     """Scores [L, Hkv, c] of each prefill chunk's keys, scored when the chunk is produced (full cache)."""
-    sess = Session(model, TorchAttention(model.cfg, observers=[scorer]))
-    out = []
+    return chunk_scores_multi(model, tokens, [scorer], chunk)[0]
+
+
+@torch.no_grad()
+def chunk_scores_multi(model: Transformer, tokens: list[int], scorers: list[ChunkScorer],
+                       chunk: int) -> list[list[torch.Tensor]]:
+    """Several methods from one model forward per chunk (the forward dominates calibration on a CPU): per
+    scorer, the scores [L, Hkv, c] of each chunk. A scorer's own extra forward (KVzip's repeat) runs after the
+    others have taken their scores, with them switched off."""
+    sess = Session(model, TorchAttention(model.cfg, observers=list(scorers)))
+    out: list[list[torch.Tensor]] = [[] for _ in scorers]
     for a in range(0, len(tokens), chunk):
         piece = tokens[a:a + chunk]
         sess.forward(piece, last_only=True)
-        scorer.after_chunk(sess, piece)
-        out.append(scorer.take()[:, 0])
+        for i, sc in enumerate(scorers):
+            if type(sc).after_chunk is ChunkScorer.after_chunk:
+                out[i].append(sc.take()[:, 0])
+        for i, sc in enumerate(scorers):
+            if type(sc).after_chunk is not ChunkScorer.after_chunk:
+                others = [o for o in scorers if o is not sc]
+                for o in others:
+                    o.enabled = False
+                try:
+                    sc.after_chunk(sess, piece)
+                finally:
+                    for o in others:
+                        o.enabled = True
+                out[i].append(sc.take()[:, 0])
     return out
 
 
@@ -53,16 +74,38 @@ def retention_by_scope(model: Transformer, tok, samples: list[Sample], method: s
                        unit: str = "sample") -> dict[tuple[str, float], np.ndarray]:
     """{(scope, rho): [n, L, H]}: one scoring pass per sample serves every scope and ratio (scores depend on
     neither)."""
-    for sc in scopes:
-        check_method_scope(method, sc)
-    scorer = make_scorer(method, model.cfg.num_layers, window, tokenizer=tok)
-    out: dict[tuple[str, float], list[np.ndarray]] = {(sc, r): [] for sc in scopes for r in rhos}
-    for s in tqdm(samples, desc=f"calibrate {method}", unit="sample", disable=not progress):
-        sc_list = chunk_scores(model, prompt_tokens(tok, s), scorer, chunk)
-        for key in out:
-            x = retention_from_scores(sc_list, key[1], unit, key[0], method)
-            out[key].extend(x if unit == "chunk" else [x])
-    return {k: np.stack(v) for k, v in out.items()}
+    r, _ = retention_multi(model, tok, samples, {method: scopes}, rhos, chunk=chunk, window=window,
+                           progress=progress, unit=unit)
+    return {(sc, rho): x for (_, sc, rho), x in r.items()}
+
+
+def retention_multi(model: Transformer, tok, samples: list[Sample], scopes: dict[str, list[str]],
+                    rhos: list[float], *, chunk: int = 512, window: int | None = None, progress: bool = True,
+                    unit: str = "sample") -> tuple[dict[tuple[str, str, float], np.ndarray], dict[str, float]]:
+    """{(method, scope, rho): [n, L, H]} for every method of ``scopes`` ({method: [scope, ...]}) from one model
+    forward per chunk, and the pass's seconds: ``forward`` (the shared model forward, scorers excluded) and per
+    method its scorer's own time (KVzip: with its repeat forward)."""
+    import time
+
+    for m, scs in scopes.items():
+        for sc in scs:
+            check_method_scope(m, sc)
+    methods = list(scopes)
+    scorers = [make_scorer(m, model.cfg.num_layers, window, tokenizer=tok) for m in methods]
+    out: dict[tuple[str, str, float], list[np.ndarray]] = {
+        (m, sc, r): [] for m in methods for sc in scopes[m] for r in rhos}
+    t0 = time.perf_counter()
+    for s in tqdm(samples, desc=f"calibrate {','.join(methods)}", unit="sample", disable=not progress):
+        per = chunk_scores_multi(model, prompt_tokens(tok, s), scorers, chunk)
+        for m, sc_list in zip(methods, per):
+            for scope in scopes[m]:
+                for r in rhos:
+                    x = retention_from_scores(sc_list, r, unit, scope, m)
+                    out[(m, scope, r)].extend(x if unit == "chunk" else [x])
+    total = time.perf_counter() - t0
+    seconds = {m: sc.seconds for m, sc in zip(methods, scorers)}
+    seconds["forward"] = total - sum(seconds.values())
+    return {k: np.stack(v) for k, v in out.items()}, seconds
 
 
 def retention_samples(model: Transformer, tok, samples: list[Sample], method: str, rhos: list[float], *,
@@ -79,5 +122,6 @@ def profile_from_samples(r: np.ndarray, alpha: float, rho: float, method: str, m
     return calibrate(r, alpha, rho=rho, method=method, model=model, provenance=provenance, scope=scope)
 
 
-__all__ = ["prompt_tokens", "chunk_scores", "retention_from_scores", "retention_by_scope", "retention_samples",
+__all__ = ["prompt_tokens", "chunk_scores", "chunk_scores_multi", "retention_from_scores", "retention_by_scope",
+           "retention_multi", "retention_samples",
            "profile_from_samples"]

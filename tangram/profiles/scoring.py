@@ -16,6 +16,7 @@ prompt plus the chunk) through the session, so its callers invoke
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -39,13 +40,16 @@ class ChunkScorer:
         self.min_tokens = min_tokens
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.enabled = True
+        self.seconds = 0.0  # wall time spent scoring (calibration reports it per method)
 
     def __call__(self, ev: AttnEvent) -> None:
         T = ev.q.shape[2]
         if not self.enabled or T < self.min_tokens:
             self.scores[ev.layer] = None  # decode steps: tokens are kept, nothing to score
             return
+        t = time.perf_counter()
         self.scores[ev.layer] = self.score(ev).float()
+        self.seconds += time.perf_counter() - t
 
     def after_chunk(self, sess, tokens: list[int]) -> None:
         """Called by the chunk loop after each prefill chunk's forward; only KVzip uses it."""
@@ -125,7 +129,9 @@ class KVzipScorer(ChunkScorer):
             if T >= self.min_tokens:
                 self._chunk = (ev.new_start, ev.k.shape[2])
             return
+        t = time.perf_counter()
         self.scores[ev.layer] = self._reconstruction_scores(ev)
+        self.seconds += time.perf_counter() - t
 
     def _reconstruction_scores(self, ev: AttnEvent) -> torch.Tensor:
         cs, ce = self._chunk
@@ -153,11 +159,13 @@ class KVzipScorer(ChunkScorer):
         first = self._chunk[0] == 0
         prompt = self.first_prompt if first or not self._prev else self.next_prompt + self._prev[-self.tail:]
         self._repeat = True
+        t, inner = time.perf_counter(), self.seconds
         try:
             sess.forward(prompt + self.suffix + list(tokens), last_only=True)
         finally:
             self._repeat = False
             sess.backend.truncate(n0)
+        self.seconds = inner + time.perf_counter() - t  # the repeat forward is this scorer's cost
         self._prev = list(tokens)
 
 
