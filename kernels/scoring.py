@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from tangram.budgets import METHODS, SCOPES, check_method_scope, layer_targets
 from tangram.errors import ConfigError
+from tangram.kernels.prefill import snapkv_scores
 
 LOG2E = 1.4426950408889634
 INF = float("inf")
@@ -240,9 +241,8 @@ def engine_chunk_scores(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     SnapKV, PyramidKV and TOVA read the window's probabilities through :func:`tangram.kernels.snapkv_scores`
     (the Triton kernel on the GPU, which rebuilds them from the prefill kernel's LSE) with pooling off, then
-    finish in torch; the others are position-wise torch on the chunk (no pass over the cache)."""
-    from tangram.kernels.prefill import snapkv_scores
-
+    finish in torch; the others are torch on the chunk alone (no pass over the cache; Expected Attention's
+    statistics in float64)."""
     spec = method_spec(method)
     if not spec.engine:
         raise ConfigError(f"method {method!r} does not run in the engine (profiles only)")

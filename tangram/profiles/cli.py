@@ -161,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                 "weights": info["source"], "synthetic": bool(info.get("synthetic", False)),
                 "chunk_size": args.chunk_size, "unit": args.unit, "retention_samples": int(x.shape[0]),
                 "context_tokens": args.context_tokens, "score_params": params,
-                # wall seconds of the pass: the shared model forward, this method's scorer, the whole pass
+                # seconds of the pass (wall; _cpu: process CPU): the shared model forward, this method's scorer
                 "forward_seconds": round(secs["forward"], 2), "scorer_seconds": round(secs[method], 3),
+                "forward_cpu_seconds": round(secs["forward:cpu"], 2),
+                "scorer_cpu_seconds": round(secs[f"{method}:cpu"], 3),
                 "pass_seconds": round(seconds, 1), "pass_methods": methods,
                 "torch_threads": torch.get_num_threads(),
                 "tasks": sorted({s.task for s in samples}), "torch": torch.__version__}
@@ -175,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
               f"mean B={B.mean():.3f} (min {B.min():.3f}, max {B.max():.3f}), mean sigma={prof.sigma.mean():.3f}, "
               f"layer means of mu {lm.min():.3f}..{lm.max():.3f}")
     print(f"pass: {seconds:.1f} s for {args.samples} samples (torch threads {torch.get_num_threads()}): model forward "
-          f"{secs['forward']:.1f} s; scorers " + ", ".join(f"{m} {secs[m]:.1f} s" for m in methods))
+          f"{secs['forward']:.1f} s; scorers " + ", ".join(f"{m} {secs[m]:.1f} s" for m in methods)
+          + f"; CPU seconds: forward {secs['forward:cpu']:.1f}, "
+          + ", ".join(f"{m} {secs[m + ':cpu']:.1f}" for m in methods))
     return 0
 
 

@@ -83,8 +83,9 @@ def retention_multi(model: Transformer, tok, samples: list[Sample], scopes: dict
                     rhos: list[float], *, chunk: int = 512, window: int | None = None, progress: bool = True,
                     unit: str = "sample") -> tuple[dict[tuple[str, str, float], np.ndarray], dict[str, float]]:
     """{(method, scope, rho): [n, L, H]} for every method of ``scopes`` ({method: [scope, ...]}) from one model
-    forward per chunk, and the pass's seconds: ``forward`` (the shared model forward, scorers excluded) and per
-    method its scorer's own time (KVzip: with its repeat forward)."""
+    forward per chunk, and the pass's seconds: ``forward`` (the shared model forward and bookkeeping, scorers
+    excluded) and per method its scorer's own time (KVzip: with its repeat forward), wall and, under ``NAME:cpu``,
+    process CPU time (which other jobs on the cores do not inflate)."""
     import time
 
     for m, scs in scopes.items():
@@ -94,7 +95,7 @@ def retention_multi(model: Transformer, tok, samples: list[Sample], scopes: dict
     scorers = [make_scorer(m, model.cfg.num_layers, window, tokenizer=tok) for m in methods]
     out: dict[tuple[str, str, float], list[np.ndarray]] = {
         (m, sc, r): [] for m in methods for sc in scopes[m] for r in rhos}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for s in tqdm(samples, desc=f"calibrate {','.join(methods)}", unit="sample", disable=not progress):
         per = chunk_scores_multi(model, prompt_tokens(tok, s), scorers, chunk)
         for m, sc_list in zip(methods, per):
@@ -102,9 +103,12 @@ def retention_multi(model: Transformer, tok, samples: list[Sample], scopes: dict
                 for r in rhos:
                     x = retention_from_scores(sc_list, r, unit, scope, m)
                     out[(m, scope, r)].extend(x if unit == "chunk" else [x])
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     seconds = {m: sc.seconds for m, sc in zip(methods, scorers)}
     seconds["forward"] = total - sum(seconds.values())
+    for m, sc in zip(methods, scorers):
+        seconds[f"{m}:cpu"] = sc.cpu_seconds
+    seconds["forward:cpu"] = cpu - sum(sc.cpu_seconds for sc in scorers)
     return {k: np.stack(v) for k, v in out.items()}, seconds
 
 

@@ -41,15 +41,17 @@ class ChunkScorer:
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.enabled = True
         self.seconds = 0.0  # wall time spent scoring (calibration reports it per method)
+        self.cpu_seconds = 0.0  # process CPU time spent scoring (insensitive to other jobs on the cores)
 
     def __call__(self, ev: AttnEvent) -> None:
         T = ev.q.shape[2]
         if not self.enabled or T < self.min_tokens:
             self.scores[ev.layer] = None  # decode steps: tokens are kept, nothing to score
             return
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         self.scores[ev.layer] = self.score(ev).float()
         self.seconds += time.perf_counter() - t
+        self.cpu_seconds += time.process_time() - c
 
     def after_chunk(self, sess, tokens: list[int]) -> None:
         """Called by the chunk loop after each prefill chunk's forward; only KVzip uses it."""
@@ -129,9 +131,10 @@ class KVzipScorer(ChunkScorer):
             if T >= self.min_tokens:
                 self._chunk = (ev.new_start, ev.k.shape[2])
             return
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         self.scores[ev.layer] = self._reconstruction_scores(ev)
         self.seconds += time.perf_counter() - t
+        self.cpu_seconds += time.process_time() - c
 
     def _reconstruction_scores(self, ev: AttnEvent) -> torch.Tensor:
         cs, ce = self._chunk
@@ -159,13 +162,14 @@ class KVzipScorer(ChunkScorer):
         first = self._chunk[0] == 0
         prompt = self.first_prompt if first or not self._prev else self.next_prompt + self._prev[-self.tail:]
         self._repeat = True
-        t, inner = time.perf_counter(), self.seconds
+        t, c, inner, inner_cpu = time.perf_counter(), time.process_time(), self.seconds, self.cpu_seconds
         try:
             sess.forward(prompt + self.suffix + list(tokens), last_only=True)
         finally:
             self._repeat = False
             sess.backend.truncate(n0)
         self.seconds = inner + time.perf_counter() - t  # the repeat forward is this scorer's cost
+        self.cpu_seconds = inner_cpu + time.process_time() - c
         self._prev = list(tokens)
 
 
