@@ -67,5 +67,23 @@ def default_profile(model, rho: float, alpha: float, seed: int = 0, method: str 
             f"{model.name} {method} {scope} rho {rho:g})")
 
 
+def summary_table(data_dir: Path | None = None) -> str:
+    """Markdown table of the shipped profiles (``python -m tangram.profiles.registry``)."""
+    rows = ["| file | method | scope | rho | prompts | retention samples | mean B | min B | max B | mean sigma | "
+            "layer means of mu | date |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in shipped_profiles(data_dir):
+        p = BudgetProfile.load(s.path)
+        lm = p.mu.mean(axis=1)
+        B = p.B
+        rows.append(f"| {s.path.name} | {p.method} | {p.scope} | {p.rho:g} | {p.provenance.get('samples')} | "
+                    f"{p.n_samples} | {B.mean():.3f} | {B.min():.3f} | {B.max():.3f} | {p.sigma.mean():.3f} | "
+                    f"{lm.min():.3f}..{lm.max():.3f} | {str(p.provenance.get('date', ''))[:10]} |")
+    return "\n".join(rows)
+
+
 __all__ = ["DATA_DIR", "ShippedProfile", "profile_filename", "shipped_profiles", "default_profile_path",
-           "default_profile"]
+           "default_profile", "summary_table"]
+
+
+if __name__ == "__main__":
+    print(summary_table())
