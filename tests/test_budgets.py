@@ -178,7 +178,8 @@ def test_cross_layer_profile_through_reservation_split_maps_and_simulator():
 
 
 def test_default_profile_registry(tmp_path):
-    from tangram.profiles.registry import default_profile, default_profile_path, profile_filename, shipped_profiles
+    from tangram.profiles.registry import (default_profile, default_profile_path, profile_filename, shipped_profiles,
+                                           summary_table)
     p = _layered_profile()
     p.save(tmp_path / profile_filename("llama-3.1-8b", "keydiff", "cross-layer", 0.38))
     (tmp_path / "notes.npz").write_bytes(b"")  # not the registry's pattern: ignored
@@ -187,6 +188,8 @@ def test_default_profile_registry(tmp_path):
         "llama-3.1-8b_keydiff_cross-layer_rho0.38.npz"
     assert default_profile_path("llama-3.1-8b", "keydiff", "per-layer", 0.38, tmp_path) is None
     assert default_profile_path("llama-3.1-8b", "keydiff", "cross-layer", 0.4, tmp_path) is None
+    table = summary_table(tmp_path).splitlines()
+    assert len(table) == 3 and "| keydiff | cross-layer | 0.38 |" in table[2]
     prof, label = default_profile(get_model("llama-3.1-8b"), 0.25, 2.0, 3)
     assert prof.synthetic and "synthetic" in label and "seed 3" in label
     prof, label = default_profile(get_model("llama-3.1-8b"), 0.25, 2.0, 3, "ada-snapkv", "uniform")
