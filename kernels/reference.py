@@ -150,3 +150,112 @@ def ref_silu_mul(x):
     x = x.double()
     a, b = x.chunk(2, dim=-1)
     return F.silu(a) * b
+
+
+# --------------------------------------------------------------------------- scorers (kernels/scoring.py)
+# Written per head and per key with explicit formulas (rotation matrices, explicit pooling windows) rather than
+# the vectorised tricks of the implementations, so a shared mistake is unlikely.
+
+
+def _ref_probs(q, k, lse2, i, qh, h, scale):
+    """p[j] = attention probability of query row i (query head qh) on new key j of KV head h (0 for j > i)."""
+    c = k.shape[0]
+    s = (k[:, h].double() @ q[i, qh].double()) * scale
+    p = torch.exp(s - float(lse2[qh, i]) / LOG2E_REF)
+    p[torch.arange(c) > i] = 0.0
+    return p
+
+
+LOG2E_REF = 1.0 / math.log(2.0)
+
+
+def ref_snapkv_chunk(q, k, lse2, window: int, kernel: int) -> torch.Tensor:
+    """kvpress SnapKV on one chunk [H, c] float64: window w = max(1, min(window, c - 1)) trailing queries, probs
+    averaged over window and group, avg-pooled (zero padding, divisor = kernel) over the c - w non-window keys;
+    window keys +inf."""
+    c, Hq, _ = q.shape
+    H = k.shape[1]
+    g = Hq // H
+    w = max(1, min(window, c - 1))
+    scale = 1.0 / math.sqrt(q.shape[2])
+    out = torch.full((H, c), math.inf, dtype=torch.float64)
+    for h in range(H):
+        raw = torch.zeros(c, dtype=torch.float64)
+        for qh in range(h * g, (h + 1) * g):
+            for i in range(c - w, c):
+                raw += _ref_probs(q, k, lse2, i, qh, h, scale)
+        raw /= w * g
+        n = c - w
+        for j in range(n):
+            lo, hi = max(0, j - kernel // 2), min(n, j + kernel // 2 + 1)
+            out[h, j] = raw[lo:hi].sum() / kernel
+    return out
+
+
+def ref_tova_chunk(q, k, lse2) -> torch.Tensor:
+    """TOVA [H, c] float64: the last query's probabilities averaged over all query heads, shared by every KV
+    head; the last key +inf."""
+    c, Hq, _ = q.shape
+    H = k.shape[1]
+    g = Hq // H
+    scale = 1.0 / math.sqrt(q.shape[2])
+    acc = torch.zeros(c, dtype=torch.float64)
+    for qh in range(Hq):
+        acc += _ref_probs(q, k, lse2, c - 1, qh, qh // g, scale)
+    acc /= Hq
+    acc[c - 1] = math.inf
+    return acc.repeat(H, 1)
+
+
+def ref_keydiff_chunk(k) -> torch.Tensor:
+    """KeyDiff [H, c] float64: minus the cosine between each key and the mean unit key of its head."""
+    c, H, _ = k.shape
+    out = torch.empty((H, c), dtype=torch.float64)
+    for h in range(H):
+        K = k[:, h].double()
+        a = sum(K[j] / K[j].norm() for j in range(c)) / c
+        for j in range(c):
+            out[h, j] = -(K[j] @ a) / (K[j].norm() * a.norm())
+    return out
+
+
+def ref_rope_matrix(pos: int, inv_freq) -> torch.Tensor:
+    """The d x d RoPE rotation at ``pos`` (HF rotate-half pairing: dims i and i + d/2), angle rounded to float32
+    as the model computes it."""
+    half = inv_freq.numel()
+    R = torch.zeros((2 * half, 2 * half), dtype=torch.float64)
+    for i in range(half):
+        a = float(torch.tensor(float(pos), dtype=torch.float32) * inv_freq[i].float())
+        R[i, i], R[i, i + half] = math.cos(a), -math.sin(a)
+        R[i + half, i], R[i + half, i + half] = math.sin(a), math.cos(a)
+    return R
+
+
+def ref_expected_attention_chunk(q, k, v, pos0: int, inv_freq, *, n_sink: int = 4, n_future: int = 512,
+                                 epsilon: float = 0.0) -> torch.Tensor:
+    """Expected Attention [H, c] float64 from explicit rotation matrices: pre-RoPE queries R(p)^T q of the
+    non-sink positions, their mean and covariance (divided by n) per query head, both rotated by the mean
+    rotation Rbar of the next n_future positions, logits (Rbar mu).k/sqrt(d) + k^T Rbar S Rbar^T k/(2d),
+    softmax over non-sink keys, mean over the group, times (. + epsilon) ||v||; sinks +inf."""
+    c, Hq, d = q.shape
+    H = k.shape[1]
+    g = Hq // H
+    pos = list(range(pos0, pos0 + c))
+    obs = [i for i, p in enumerate(pos) if p >= n_sink]
+    Rbar = sum(ref_rope_matrix(f, inv_freq) for f in range(pos0 + c, pos0 + c + n_future)) / n_future
+    out = torch.zeros((H, c), dtype=torch.float64)
+    for qh in range(Hq):
+        h = qh // g
+        Q = torch.stack([ref_rope_matrix(pos[i], inv_freq).T @ q[i, qh].double() for i in obs])
+        mu = Q.mean(0)
+        S = (Q - mu).T @ (Q - mu) / len(obs)
+        mu_r, S_r = Rbar @ mu, Rbar @ S @ Rbar.T
+        logit = torch.full((c,), -math.inf, dtype=torch.float64)
+        for j in obs:
+            kj = k[j, h].double()
+            logit[j] = mu_r @ kj / math.sqrt(d) + kj @ S_r @ kj / (2 * d)
+        out[h] += torch.softmax(logit, 0) / g
+    for h in range(H):
+        for j in range(c):
+            out[h, j] = math.inf if pos[j] < n_sink else (out[h, j] + epsilon) * v[j, h].double().norm()
+    return out

@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rho", type=float, help="target global retention ratio (default 0.25)")
     p.add_argument("--hp", type=int, help="heads per group H_p of ragged paging (default 4)")
     p.add_argument("--alpha", type=float, help="safety margin of the budgets, eq. 5 (default 2)")
-    p.add_argument("--profile", help="budget profile file (.npz/.json); default: a synthetic profile (labelled)")
+    p.add_argument("--profile", help="budget profile file (.npz/.json); default: the shipped calibration of the model, "
+                                     "score_method, budget_scope and rho (tangram.profiles.registry), else a "
+                                     "synthetic profile (labelled)")
     p.add_argument("--page-size", type=int)
     p.add_argument("--chunk", type=int, help="prefill chunk size in tokens")
     p.add_argument("--max-batched-tokens", type=int)

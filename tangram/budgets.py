@@ -18,6 +18,56 @@ from tangram.errors import ConfigError, InputError
 
 PROFILE_FORMAT_VERSION = 1
 
+# Scoring methods a profile can be calibrated for (their scorers: tangram.kernels.scoring) and the budget scopes.
+METHODS = ("ada-snapkv", "pyramidkv", "keydiff", "tova", "streaming-llm", "expected-attention", "kvzip")
+# per-layer: one threshold per layer (Ada-KV's layer-wide top-k; every layer keeps its target on average);
+# cross-layer: one threshold over every layer and head (strong layers take budget from weak ones; only the
+# total keeps rho); uniform: no threshold, every head keeps its layer's target (no calibration needed).
+SCOPES = ("per-layer", "cross-layer", "uniform")
+PYRAMID_BETA = 20.0
+
+
+def check_method_scope(method: str, scope: str) -> None:
+    """One-line errors for a method or scope name we do not know, and for combinations that mean nothing."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown scoring method {method!r}; choose from {', '.join(METHODS)}")
+    if scope not in SCOPES:
+        raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
+    if method == "pyramidkv" and scope == "cross-layer":
+        raise ConfigError("pyramidkv fixes each layer's budget by its pyramid schedule; a cross-layer threshold "
+                          "would ignore it (use scope per-layer or uniform, or method ada-snapkv for cross-layer)")
+
+
+def pyramid_ratios(num_layers: int, rho: float, beta: float = PYRAMID_BETA) -> np.ndarray:
+    """PyramidKV's per-layer kept share [L] (Cai et al. 2024; kvpress ``PyramidKVPress.get_layer_budget``).
+
+    Linear from the bottom layer's ``r_max`` down to the top layer's ``r_min = rho / beta`` with
+    ``r_max = 2 rho - r_min``, so the mean over layers is exactly ``rho``; when ``r_max`` would exceed 1 it is
+    capped at 1 and ``r_min = 2 rho - 1``. This is kvpress's formula in shares of the chunk, with its observation
+    window term left out (our SnapKV keeps its window inside the budget) and without its fall-back to flat
+    SnapKV when the top layer's budget is smaller than the window."""
+    if not (0 < rho <= 1):
+        raise ConfigError(f"rho must be in (0, 1], got {rho}")
+    if beta < 1:
+        raise ConfigError(f"pyramid beta must be >= 1, got {beta}")
+    lo = rho / beta
+    hi = 2 * rho - lo
+    if hi > 1.0:
+        hi, lo = 1.0, 2 * rho - 1.0
+    if num_layers == 1:
+        return np.array([rho])
+    return hi - (hi - lo) * np.arange(num_layers) / (num_layers - 1)
+
+
+def layer_targets(method: str, scope: str, num_layers: int, rho: float) -> np.ndarray | None:
+    """Kept share each layer aims at [L] (per-layer and uniform scopes), or None (cross-layer: only the total is
+    fixed). Every method aims at rho in every layer except PyramidKV, whose schedule sets it per layer."""
+    if scope == "cross-layer":
+        return None
+    if method == "pyramidkv":
+        return pyramid_ratios(num_layers, rho)
+    return np.full(num_layers, float(rho))
+
 
 @dataclass
 class BudgetProfile:
@@ -29,8 +79,11 @@ class BudgetProfile:
     model: str
     provenance: dict = field(default_factory=dict)
     n_samples: int = 0
+    scope: str = "per-layer"  # the budget scope the retention samples were taken under (SCOPES)
 
     def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ConfigError(f"unknown budget scope {self.scope!r}; choose from {', '.join(SCOPES)}")
         self.mu = np.asarray(self.mu, dtype=np.float64)
         self.sigma = np.asarray(self.sigma, dtype=np.float64)
         if self.mu.ndim != 2 or self.mu.shape != self.sigma.shape:
@@ -49,7 +102,7 @@ class BudgetProfile:
 
     def with_alpha(self, alpha: float) -> "BudgetProfile":
         return BudgetProfile(self.mu, self.sigma, float(alpha), self.rho, self.method, self.model,
-                             dict(self.provenance), self.n_samples)
+                             dict(self.provenance), self.n_samples, self.scope)
 
     def check_model(self, num_layers: int, num_kv_heads: int, model_name: str | None = None) -> None:
         if self.shape != (num_layers, num_kv_heads):
@@ -67,8 +120,10 @@ class BudgetProfile:
         """Draw per-input retention ratios [n, L, H] as a global top-k method would realise them.
 
         Each head's ratio is drawn around its calibrated mean with its calibrated
-        spread, clipped to (0, 1], then rescaled per layer so the layer keeps
-        ``rho`` of its tokens on average (global top-ceil(rho*H*N) fixes the sum).
+        spread, clipped to (0, 1], then rescaled so what the method's threshold
+        fixes holds exactly: per-layer scope, each layer keeps its target
+        (``rho``; PyramidKV's schedule) since a layer-wide top-k fixes the
+        layer's sum; cross-layer scope, the whole [L, H] keeps ``rho``.
         Used by the simulator to price the ``dynamic`` mode's reclaim and the
         overflow rate of static budgets.
         """
@@ -76,7 +131,10 @@ class BudgetProfile:
 
     def _retention(self, z: np.ndarray) -> np.ndarray:
         r = np.clip(self.mu[None] + self.sigma[None] * z, 1e-4, 1.0)
-        return _rescale_layer_mean(r, self.rho)
+        targets = layer_targets(self.method, self.scope, self.shape[0], self.rho)
+        if targets is None:  # cross-layer: one threshold fixes only the total
+            return _rescale_layer_mean(r.reshape(r.shape[0], -1), self.rho).reshape(r.shape)
+        return _rescale_layer_mean(r, targets[:, None])
 
     def chunk_retention(self, seed: int, rids, starts) -> np.ndarray:
         """Realised retention [n, L, H] of prefill chunks, one draw per (key, chunk start); the key is a request id,
@@ -98,7 +156,7 @@ class BudgetProfile:
         meta = {
             "format": "tangram-budget-profile", "version": PROFILE_FORMAT_VERSION, "alpha": self.alpha,
             "rho": self.rho, "method": self.method, "model": self.model, "n_samples": self.n_samples,
-            "provenance": self.provenance,
+            "scope": self.scope, "provenance": self.provenance,
         }
         if path.suffix == ".json":
             meta.update(mu=self.mu.tolist(), sigma=self.sigma.tolist(), B=self.B.tolist())
@@ -130,7 +188,8 @@ class BudgetProfile:
                              f"profile version {meta.get('version')} is newer than this tangram ({PROFILE_FORMAT_VERSION})")
         try:
             return cls(mu, sigma, float(meta["alpha"]), float(meta["rho"]), str(meta["method"]), str(meta["model"]),
-                       dict(meta.get("provenance", {})), int(meta.get("n_samples", 0)))
+                       dict(meta.get("provenance", {})), int(meta.get("n_samples", 0)),
+                       str(meta.get("scope", "per-layer")))  # files before scopes existed were per-layer
         except ConfigError as e:
             raise InputError(str(path), None, None, str(e)) from None
 
@@ -142,7 +201,7 @@ def budget_ratios(mu: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndarray
 
 
 def calibrate(retention_samples: np.ndarray, alpha: float, *, rho: float | None = None, method: str = "unknown",
-              model: str = "unknown", provenance: dict | None = None) -> BudgetProfile:
+              model: str = "unknown", provenance: dict | None = None, scope: str = "per-layer") -> BudgetProfile:
     """Fit mu, sigma over samples [n, L, H] of per-head retention ratios and apply eq. 5."""
     r = np.asarray(retention_samples, dtype=np.float64)
     if r.ndim != 3 or r.shape[0] < 1:
@@ -154,7 +213,16 @@ def calibrate(retention_samples: np.ndarray, alpha: float, *, rho: float | None 
     if rho is None:
         rho = float(mu.mean())
     prov = {"calibrated_at": _dt.date.today().isoformat(), **(provenance or {})}
-    return BudgetProfile(mu, sigma, float(alpha), float(rho), method, model, prov, int(r.shape[0]))
+    return BudgetProfile(mu, sigma, float(alpha), float(rho), method, model, prov, int(r.shape[0]), scope)
+
+
+def uniform_profile(num_layers: int, num_kv_heads: int, rho: float, method: str = "ada-snapkv",
+                    model: str = "unknown") -> BudgetProfile:
+    """The uniform scope as a profile: every head of layer l keeps the layer's target (rho; PyramidKV's
+    schedule), with no spread, so it needs no calibration and any alpha gives the same budgets."""
+    mu = np.repeat(layer_targets(method, "uniform", num_layers, rho)[:, None], num_kv_heads, axis=1)
+    return BudgetProfile(mu, np.zeros_like(mu), 0.0, float(rho), method, model,
+                         {"synthetic": False, "generator": "tangram.budgets.uniform_profile"}, 0, "uniform")
 
 
 def constant_profile(num_layers: int, num_kv_heads: int, ratio: float, model: str = "unknown") -> BudgetProfile:
@@ -205,10 +273,12 @@ def group_sums(B: np.ndarray, perm: np.ndarray, heads_per_group: int) -> np.ndar
 # --------------------------------------------------------------------------- synthetic profiles
 
 
-def _rescale_layer_mean(r: np.ndarray, rho: float, iters: int = 30) -> np.ndarray:
-    """Scale ratios so each layer's mean is rho while staying in (0, 1] (bisection on a multiplier)."""
+def _rescale_layer_mean(r: np.ndarray, rho, iters: int = 30) -> np.ndarray:
+    """Scale ratios so the mean over the last axis is rho (a scalar, or an array broadcasting against
+    ``r.shape[:-1] + (1,)``) while staying in (0, 1] (bisection on a multiplier)."""
+    rho = np.broadcast_to(np.asarray(rho, dtype=np.float64), r.shape[:-1] + (1,))
     lo = np.zeros(r.shape[:-1] + (1,))
-    hi = np.full(r.shape[:-1] + (1,), 1.0 / max(rho, 1e-9) * 1e3)
+    hi = 1.0 / np.maximum(rho, 1e-9) * 1e3
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
         m = np.minimum(1.0, r * mid).mean(axis=-1, keepdims=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from tangram.budgets import check_method_scope
 from tangram.errors import ConfigError
 from tangram.planner import pow2_bucket
 
@@ -169,6 +170,11 @@ class EngineConfig:
     # pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
     # in the engine and are priced as graph replays by the simulator; 0 = every step eager
     cuda_graph_max_bs: int = 64
+    # the compression method the engine scores chunks with (tangram.kernels.scoring) and the budget scope it runs
+    # under: dynamic mode selects by it (per-layer: each layer's top-k over its heads; cross-layer: one top-k over
+    # all layers of a chunk; uniform: each head's top-k), and the default profile is the one calibrated for it
+    score_method: str = "ada-snapkv"
+    budget_scope: str = "per-layer"
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -191,6 +197,7 @@ class EngineConfig:
             raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        check_method_scope(self.score_method, self.budget_scope)
 
     # -- resolved switches
     @property

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from tangram.budgets import BudgetProfile, synthetic_profile
+from tangram.budgets import BudgetProfile
 from tangram.config import MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, get_gpu, get_model
 from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
@@ -34,8 +34,34 @@ class DeploymentSpec:
     probe: str | None = None  # a tangram-probe JSON of the machine at hand: the simulator rescales its tables to it
 
 
-def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0) -> BudgetProfile:
-    return synthetic_profile(model.num_layers, model.num_kv_heads, rho, alpha=alpha, seed=seed, model=model.name)
+def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0, method: str = "ada-snapkv",
+                    scope: str = "per-layer") -> BudgetProfile:
+    """The profile of a run that names none: the shipped calibration of (model, method, scope, rho) when there is
+    one, the uniform scope's constant budgets, else a synthetic profile (:func:`default_profile_labelled`)."""
+    return default_profile_labelled(model, rho, alpha, seed, method, scope)[0]
+
+
+def default_profile_labelled(model: ModelConfig, rho: float, alpha: float, seed: int = 0,
+                             method: str = "ada-snapkv", scope: str = "per-layer") -> tuple[BudgetProfile, str]:
+    """(profile, label for reports) of :func:`default_profile` (:func:`tangram.profiles.registry.default_profile`,
+    a torch-free lookup of the shipped data files)."""
+    from tangram.profiles.registry import default_profile as resolve
+
+    return resolve(model, rho, alpha, seed, method, scope)
+
+
+def adopt_profile_method(engine: EngineConfig, profile: BudgetProfile, named: dict, path: str) -> EngineConfig:
+    """A calibrated profile names the method and scope it was taken under; the run adopts them, and a config
+    that names different ones is an error (its budgets would not be that method's)."""
+    from tangram.budgets import METHODS
+
+    if profile.method not in METHODS:  # synthetic or constant profiles belong to no method
+        return engine
+    for field, val in (("score_method", profile.method), ("budget_scope", profile.scope)):
+        if field in named and named[field] != val:
+            raise InputError(path, None, field, f"profile calibrated for {val!r}, but the config asks for "
+                                                f"{named[field]!r}")
+    return engine.with_(score_method=profile.method, budget_scope=profile.scope)
 
 
 def _load_config(path: str) -> dict:
@@ -100,10 +126,11 @@ def resolve(args, default_out: str) -> dict:
             profile.check_model(model.num_layers, model.num_kv_heads, model.name)
         except ConfigError as e:
             raise InputError(str(prof_path), None, None, str(e)) from None
+        engine = adopt_profile_method(engine, profile, eng_d, str(prof_path))
         profile_label = str(prof_path)
     else:
-        profile = default_profile(model, engine.rho, engine.alpha, seed)
-        profile_label = f"synthetic (tangram.budgets.synthetic_profile, seed {seed}, rho {engine.rho:g})"
+        profile, profile_label = default_profile_labelled(model, engine.rho, engine.alpha, seed, engine.score_method,
+                                                          engine.budget_scope)
     trace_path = args.trace or cfg.get("trace") or str(default_trace_path())
     trace = load_trace(trace_path)
     rate_scale = args.rate_scale if args.rate_scale is not None else cfg.get("rate_scale")

@@ -3,6 +3,7 @@ the KV leak check, rejection of a turn larger than the pool, and the SmolLM2 GGU
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, T
 from tangram.engine.model import Session
 from tangram.engine.sampling import SamplingParams
 from tangram.engine.weights import build_model, random_state_dict
+from tangram.errors import ConfigError
 from tangram.harness import Cluster
 from tangram.spec import DeploymentSpec
 from tangram.traces.format import Trace, Turn
@@ -321,6 +323,7 @@ def test_prefill_keep_counts_uploaded_once_per_step(tiny, monkeypatch):
         assert summ["completed"] == 4 and leak["ok"]
     assert calls and all(ok for ok, _ in calls) and max(n for _, n in calls) >= 2  # chunks of a step batched
 
+
 @pytest.mark.parametrize("mode", ["tangram", "dynamic", "full"])
 def test_device_block_table_mirror_follows_the_scheduler(tiny, mode):
     """The executor keeps the block table on the device from the scheduler's write log: under evictions,
@@ -351,3 +354,135 @@ def test_device_block_table_mirror_follows_the_scheduler(tiny, mode):
     res = Cluster(small_trace(sessions=3, first=(29, 90, 41), out=7), [(sched, exe)]).run()
     assert all(r.status == "finished" for r in res.records) and leak_check(sched)["ok"]
     assert checked[0] > 10 and sched.stats.session_evictions + sched.stats.preemptions > 0
+
+
+# ------------------------------------------------------------------ scorers and budget scopes in the engine
+
+
+def _recording(monkeypatch):
+    """Record (method, chunk start, slot_to_head, scores [H, c]) of every chunk and layer the executor scores, in
+    step, layer, chunk order (the batched SnapKV path and the per-chunk dispatch alike)."""
+    import tangram.engine.executor as ex
+    real, seen = ex.Executor._chunk_scores, []
+
+    def rec(self, l, q, k, v, lse, cu, max_chunk, st):
+        out = real(self, l, q, k, v, lse, cu, max_chunk, st)
+        for i, (pos0, c) in enumerate(zip(st["pf_start"], st["pf_tokens"].tolist())):
+            seen.append((self.engine.score_method, pos0, self.cache.slot_to_head[l].clone(), out[i, :, :c].clone()))
+        return out
+
+    monkeypatch.setattr(ex.Executor, "_chunk_scores", rec)
+    return seen
+
+
+def _one_session(cfg, model, eng, prof, n, opts=None):
+    sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
+    exe = Executor(model, sched, TokenSource(cfg.vocab, seed=11), opts or ExecutorOptions())
+    sched.add_request(0, "s", n, 2)
+    realized = []
+    while sched.has_work():
+        plan = sched.schedule()
+        res = exe.execute(plan)
+        if plan.num_prefill:
+            realized.append((int(plan.prefill_tokens[0]), res.realized_keep))
+        sched.update(plan, res)
+    sched.end_session("s")
+    assert leak_check(sched)["ok"]
+    return exe, sched, realized
+
+
+@pytest.mark.parametrize("method,window", [("ada-snapkv", 32), ("ada-snapkv", 4), ("pyramidkv", 32),
+                                           ("pyramidkv", 4), ("keydiff", 32), ("tova", 32), ("streaming-llm", 32),
+                                           ("expected-attention", 32)])
+def test_engine_scores_every_chunk_like_the_profiles_observer(tiny, monkeypatch, method, window):
+    """The executor scores each prefill chunk with EngineConfig.score_method, and its slot-order scores are the
+    profiles observer's scores of the same tokens (so a profile is calibrated with what the engine selects by).
+    Budgets just under 1 keep every token, so both see the same uncompressed cache on the second chunk; the
+    distinct budgets give a non-trivial slot order. SnapKV with a window shorter than the chunks runs the batched
+    path (one score launch for all chunks, kvpress's finish on the batch); a longer window the per-chunk one."""
+    from tangram.budgets import BudgetProfile
+    from tangram.engine.model import TorchAttention
+    from tangram.profiles.scoring import make_scorer
+
+    cfg, model = tiny
+    seen = _recording(monkeypatch)
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    mu = 0.95 + 0.04 * np.random.default_rng(0).permutation(L * H).reshape(L, H) / (L * H)
+    prof = BudgetProfile(mu, np.zeros_like(mu), 0.0, 0.97, method, cfg.name)
+    eng = engine("tangram", score_method=method, kv_pool_bytes=400_000)
+    exe, sched, _ = _one_session(cfg, model, eng, prof, 29, ExecutorOptions(score_window=window))
+    assert not np.all(sched.layout.perm == np.arange(H))
+    assert [s[:2] for s in seen] == [(method, 0)] * L + [(method, 16)] * L  # chunks of 16 + 13, every layer
+    sc = make_scorer(method, L, window)
+    sess = Session(model, TorchAttention(cfg, observers=[sc]))
+    stream = exe.streams["s"]
+    for j, (a, b) in enumerate(((0, 16), (16, 29))):
+        sess.forward(stream[a:b])
+        ref = sc.take()[:, 0]  # [L, H, c] KV-head order
+        for l in range(L):
+            _, _, s2h, got = seen[j * L + l]
+            want = ref[l][s2h.long()]
+            assert torch.equal(torch.isinf(got), torch.isinf(want))
+            fin = torch.isfinite(want)
+            assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-6), (method, j, l)
+
+
+@pytest.mark.parametrize("method", ["ada-snapkv", "keydiff", "expected-attention", "pyramidkv", "tova",
+                                    "streaming-llm"])
+@pytest.mark.parametrize("scope", ["per-layer", "cross-layer", "uniform"])
+def test_dynamic_mode_keeps_what_the_scope_fixes(tiny, monkeypatch, method, scope):
+    """Dynamic mode realises the scope's selection: per layer ceil(r_l H c) (Ada-KV), ceil(rho L H c) over all
+    layers (one threshold, per-layer counts differ), or ceil(r_l c) per head; for scorers without ties the
+    per-head counts are those of the profiles' selection of the same scores."""
+    from tangram.budgets import layer_targets
+    from tangram.kernels.scoring import scope_keep_mask
+
+    if method == "pyramidkv" and scope == "cross-layer":
+        pytest.skip("pyramidkv has no cross-layer scope (its schedule fixes per-layer budgets)")
+    cfg, model = tiny
+    seen = _recording(monkeypatch)
+    L, H, rho = cfg.num_layers, cfg.num_kv_heads, 0.3
+    prof = synthetic_profile(L, H, rho, alpha=1.0, seed=0, model=cfg.name)
+    eng = engine("dynamic", score_method=method, budget_scope=scope, rho=rho, kv_pool_bytes=400_000)
+    # window 4: the always-kept window (+inf, ties) stays inside every budget, so the kept sets are unique
+    _, sched, realized = _one_session(cfg, model, eng, prof, 29, ExecutorOptions(score_window=4))
+    r = layer_targets(method, scope, L, rho)
+    assert [c for c, _ in realized] == [16, 13]
+    for j, (c, keep) in enumerate(realized):
+        keep = keep[0]  # [L, H], slot order (monolithic layout: head order)
+        if scope == "per-layer":
+            assert keep.sum(1).tolist() == [math.ceil(x * H * c - 1e-9) for x in r]
+        elif scope == "uniform":
+            assert (keep == np.ceil(r * c - 1e-9)[:, None]).all()
+        else:
+            assert keep.sum() == math.ceil(rho * L * H * c - 1e-9)
+        # the same kept sets as the profiles' selection where scores have no ties at the cut (TOVA and
+        # StreamingLLM score all heads alike; PyramidKV's top layer keeps fewer tokens than its +inf window)
+        if method in ("ada-snapkv", "keydiff", "expected-attention"):
+            scores = torch.stack([s[3] for s in seen[j * L:(j + 1) * L]])
+            np.testing.assert_array_equal(keep, scope_keep_mask(scores, rho, scope, method).sum(-1).numpy())
+    assert sched.stats.pages_reclaimed >= 0
+
+
+@pytest.mark.parametrize("method", ["ada-snapkv", "pyramidkv", "keydiff", "tova", "streaming-llm",
+                                    "expected-attention"])
+def test_every_scorer_serves_the_trace_in_tangram_and_dynamic_modes(tiny, method):
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    for mode in ("tangram", "dynamic"):
+        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode, score_method=method), prof)
+        summ, res, leak = run_mode(small_trace(), spec, mode, model, device=CPU, warmup=False)
+        assert summ["completed"] == 6 and summ["rejected"] == 0 and leak["ok"] and leak["pages_in_use"] == 0
+
+
+def test_engine_rejects_a_method_it_cannot_run(tiny):
+    cfg, model = tiny
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    eng = engine("tangram", score_method="kvzip")
+    sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
+    with pytest.raises(ConfigError, match="reconstruction"):
+        Executor(model, sched, TokenSource(cfg.vocab))
+    with pytest.raises(ConfigError, match="cross-layer"):
+        engine("dynamic", score_method="pyramidkv", budget_scope="cross-layer")
+    with pytest.raises(ConfigError, match="unknown budget scope"):
+        engine("dynamic", budget_scope="global")

@@ -15,8 +15,7 @@ from hypothesis.extra.numpy import arrays
 from tangram.budgets import BudgetProfile
 from tangram.profiles.corpus import (TASKS, answer_correct, build_corpus, code_split_of, make_sample,
                                         stdlib_files)
-from tangram.profiles.scoring import (ExpectedAttentionScorer, SnapKVScorer, global_topk_mask,
-                                         per_head_topk_mask)
+from tangram.profiles.scoring import global_topk_mask, per_head_topk_mask
 from tangram.config import get_model
 from tangram.engine.model import AttnEvent, Session, TorchAttention, attention_probs
 from tangram.engine.weights import build_model, random_state_dict
@@ -88,7 +87,7 @@ def test_dynamic_kept_set_equals_layerwide_topk(scores, rho):
         assert set(np.flatnonzero(mask[l].ravel()).tolist()) == _ref_topk(scores[l].ravel(), k)
 
 
-# ------------------------------------------------------------------ scorers (float64 references)
+# ------------------------------------------------------------------ scorers (formulas: tests/test_scoring.py)
 
 
 def _event(T=24, N=40, Hq=4, Hkv=2, D=8, evicted=True):
@@ -101,44 +100,6 @@ def _event(T=24, N=40, Hq=4, Hkv=2, D=8, evicted=True):
         keep[:, :, : N - T] = torch.rand(1, Hkv, N - T, generator=g) < 0.6
     pos = torch.arange(N)
     return AttnEvent(0, q, k, v, keep, pos, pos[N - T:], N - T, 1 / math.sqrt(D))
-
-
-def test_snapkv_scores_match_float64_reference():
-    ev = _event()
-    w, kern = 6, 3
-    s = SnapKVScorer(1, window=w, kernel=kern).score(ev)
-    q, K = ev.q.double(), ev.k.double()
-    T, N, g = ev.q.shape[2], ev.k.shape[2], 2
-    pooled = torch.zeros(2, T, dtype=torch.float64)
-    for hq in range(4):  # per query head: window sum, max-pool along keys; then mean over the GQA group
-        kv = hq // g
-        acc = torch.zeros(T, dtype=torch.float64)
-        for i in range(T - w, T):
-            ok = ev.keep[0, kv] & (ev.k_pos <= ev.q_pos[i])
-            logits = (K[0, kv] @ q[0, hq, i]) * ev.scale
-            logits[~ok] = -math.inf
-            acc += torch.softmax(logits, 0)[N - T:]
-        pooled[kv] += torch.stack([acc[max(0, j - 1):j + 2].max() for j in range(T)]) / g
-    pooled[:, T - w:] = math.inf
-    assert torch.allclose(s[0].double(), pooled, rtol=1e-5, atol=1e-7)
-
-
-def test_expected_attention_matches_float64_reference():
-    ev = _event()
-    w = 10
-    s = ExpectedAttentionScorer(1, window=w).score(ev)
-    T, N, D, g = ev.q.shape[2], ev.k.shape[2], ev.q.shape[3], 2
-    ref = torch.zeros(2, T, dtype=torch.float64)
-    for hq in range(4):
-        kv = hq // g
-        qw = ev.q[0, hq, -w:].double()
-        mu, cov = qw.mean(0), torch.cov(qw.T)
-        K = ev.k[0, kv].double()
-        lg = torch.stack([ev.scale * K[n] @ mu + 0.5 * ev.scale ** 2 * K[n] @ cov @ K[n] for n in range(N)])
-        lg[~ev.keep[0, kv]] = -math.inf
-        ea = torch.softmax(lg, 0)[N - T:] * ev.v[0, kv, N - T:].double().norm(dim=-1)
-        ref[kv] += ea / g
-    assert torch.allclose(s[0].double(), ref, rtol=1e-6, atol=1e-12)
 
 
 def test_attention_probs_masks_and_normalises():
@@ -160,34 +121,67 @@ def smollm2():
     return model, load_tokenizer(info["gguf_path"])
 
 
-def test_tiny_calibration_run_writes_valid_profile(tmp_path, smollm2, monkeypatch):
-    """The CLI on the real SmolLM2 GGUF: 2 short samples, two ratios, a loadable profile with provenance."""
+def test_tiny_calibration_run_writes_valid_profiles(tmp_path, smollm2, monkeypatch):
+    """The CLI on the real SmolLM2 GGUF, every method from one forward per chunk: 2 short samples, two ratios and
+    both scopes, loadable profiles with provenance; per-layer keeps each layer's target, cross-layer the total."""
     import tangram.engine.weights as w
+    from tangram.budgets import METHODS, layer_targets
     from tangram.profiles import cli
     model, _ = smollm2
     monkeypatch.setattr(w, "load_model", lambda *a, **k: (model, {"source": "smollm2-gguf",
                                                                    "gguf_path": str(w.smollm2_gguf_path())}))
-    out = tmp_path / "p_{rho}.npz"
+    out = tmp_path / "{method}_{scope}_{rho}.npz"
     with pytest.raises(SystemExit) as e:
-        cli.main(["--samples", "2", "--rho", "0.25,0.5", "--context-tokens", "96", "--chunk-size", "64",
-                  "--method", "ada-snapkv", "--no-progress", "-o", str(out)])
+        cli.main(["--samples", "2", "--rho", "0.25,0.5", "--scope", "per-layer,cross-layer", "--context-tokens", "96",
+                  "--chunk-size", "64", "--method", ",".join(METHODS), "--threads", "1", "--no-progress",
+                  "-o", str(out)])
     assert e.value.code == 0
-    for rho in (0.25, 0.5):
-        p = BudgetProfile.load(tmp_path / f"p_{rho:g}.npz")
-        assert p.shape == (30, 3) and p.rho == rho and p.method == "ada-snapkv" and p.model == "smollm2-135m"
-        assert p.provenance["samples"] == 2 and p.provenance["split"] == "calib" and "command" in p.provenance
-        assert np.all((p.B > 0) & (p.B <= 1))
-        # a layer-wide top-k keeps rho of the tokens on average: per-layer mean retention ~ rho
-        assert np.allclose(p.mu.mean(axis=1), rho, atol=0.02)
+    for method in METHODS:
+        scopes = ["per-layer"] if method == "pyramidkv" else ["per-layer", "cross-layer"]
+        assert not (tmp_path / f"pyramidkv_cross-layer_0.5.npz").exists()
+        for scope in scopes:
+            for rho in (0.25, 0.5):
+                p = BudgetProfile.load(tmp_path / f"{method}_{scope}_{rho:g}.npz")
+                assert p.shape == (30, 3) and p.rho == rho and p.method == method and p.model == "smollm2-135m"
+                assert p.scope == scope and p.provenance["scope"] == scope and p.provenance["method"] == method
+                assert p.provenance["samples"] == 2 and p.provenance["split"] == "calib" and "command" in p.provenance
+                assert p.provenance["pass_methods"] == list(METHODS)
+                assert 0 < p.provenance["scorer_seconds"] < p.provenance["pass_seconds"]
+                assert np.all((p.B > 0) & (p.B <= 1))
+                if scope == "per-layer":  # a layer-wide top-k keeps each layer's target of every chunk
+                    assert np.allclose(p.mu.mean(axis=1), layer_targets(method, scope, 30, rho), atol=0.02)
+                else:  # one threshold over all layers: only the total is fixed
+                    assert p.mu.mean() == pytest.approx(rho, abs=0.01)
 
 
-def test_bad_cli_input_is_one_line_exit_2(tmp_path, capsys):
+def test_one_forward_serves_every_method(smollm2):
+    """Scores from the shared pass equal each method's own pass (KVzip's repeat forward does not leak into the
+    others' scores, nor theirs into it)."""
+    from tangram.profiles.retention import chunk_scores, chunk_scores_multi
+    from tangram.profiles.scoring import make_scorer
+    model, tok = smollm2
+    toks = tok.encode("The quick brown fox jumps over the lazy dog. " * 9)[:70]  # chunks of 32, 32, 6
+    methods = ["ada-snapkv", "kvzip", "expected-attention"]
+    multi = chunk_scores_multi(model, toks, [make_scorer(m, 30, tokenizer=tok) for m in methods], 32)
+    for m, got in zip(methods, multi):
+        alone = chunk_scores(model, toks, make_scorer(m, 30, tokenizer=tok), 32)
+        assert len(got) == len(alone) == 3
+        for a, b in zip(got, alone):
+            assert torch.equal(a, b), m
+
+
+@pytest.mark.parametrize("argv,msg", [(["--rho", "0.2,0.4"], "{rho}"),
+                                      (["--scope", "per-layer,cross-layer"], "{scope}"),
+                                      (["--scope", "uniform"], "no calibration"),
+                                      (["--scope", "global"], "unknown budget scope"),
+                                      (["--method", "pyramidkv", "--scope", "cross-layer"], "pyramid")])
+def test_bad_cli_input_is_one_line_exit_2(tmp_path, capsys, argv, msg):
     from tangram.profiles import cli
     with pytest.raises(SystemExit) as e:
-        cli.main(["--rho", "0.2,0.4", "-o", str(tmp_path / "x.npz")])
+        cli.main(argv + ["-o", str(tmp_path / "x.npz")])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "{rho}" in err
+    assert err.count("\n") == 1 and msg in err
 
 
 def test_tiny_fidelity_run(smollm2):

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tangram.budgets import synthetic_profile
+from tangram.budgets import BudgetProfile, synthetic_profile
 from tangram.config import EngineConfig, get_gpu, get_model
 from tangram.paging import KVLayout
 from tangram.plan import StepPlan, StepResult
@@ -492,3 +492,56 @@ def test_bundled_h100_gemm_stall_does_not_price_batch_one_above_batch_four():
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
     assert cm._dense(1, 1)[0] <= cm._dense(4, 4)[0] <= cm._dense(64, 64)[0]
+
+
+# --------------------------------------------------------------------------- default profiles
+
+
+def test_resolver_uses_shipped_profiles_and_a_profiles_method(tmp_path):
+    """SmolLM2 runs without --profile use the shipped calibration of their method, scope and rho; other models a
+    labelled synthetic profile; a given calibrated profile's method and scope are adopted, and a config naming
+    others is rejected with the file and field."""
+    from tangram.errors import InputError
+    from tangram.profiles import default_profile_path
+    from tangram.sim import cli
+
+    tr = tmp_path / "t.jsonl"
+    save_trace(_trace(2, seed=1), tr)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"model": "smollm2-135m", "rho": 0.5, "score_method": "keydiff",
+                               "budget_scope": "cross-layer", "heads_per_group": 3}))
+    r = cli.resolve(cli._parser().parse_args([str(tr), "--config", str(cfg)]))
+    shipped = default_profile_path("smollm2-135m", "keydiff", "cross-layer", 0.5)
+    assert shipped is not None and shipped.name in r["profile_label"]
+    prof = r["spec"].profile
+    assert (prof.method, prof.scope, prof.rho, prof.n_samples > 0) == ("keydiff", "cross-layer", 0.5, True)
+    r = cli.resolve(cli._parser().parse_args([str(tr), "--rho", "0.3"]))  # llama: nothing shipped
+    assert r["spec"].profile.synthetic and "synthetic" in r["profile_label"]
+    r = cli.resolve(cli._parser().parse_args([str(tr), "--model", "smollm2-135m", "--hp", "3", "--profile",
+                                              str(shipped)]))
+    assert (r["spec"].engine.score_method, r["spec"].engine.budget_scope) == ("keydiff", "cross-layer")
+    cfg.write_text(json.dumps({"model": "smollm2-135m", "score_method": "tova", "heads_per_group": 3}))
+    with pytest.raises(InputError, match="score_method"):
+        cli.resolve(cli._parser().parse_args([str(tr), "--config", str(cfg), "--profile", str(shipped)]))
+
+
+def test_every_shipped_profile_is_complete_and_labelled():
+    from tangram.budgets import METHODS
+    from tangram.profiles import shipped_profiles
+
+    got = {(s.method, s.scope, s.rho): s.path for s in shipped_profiles() if s.model == "smollm2-135m"}
+    for m in METHODS:
+        for scope in ("per-layer",) if m == "pyramidkv" else ("per-layer", "cross-layer"):
+            for rho in (0.75, 0.5, 0.25, 0.1):
+                p = BudgetProfile.load(got[(m, scope, rho)])
+                p.check_model(SMOL.num_layers, SMOL.num_kv_heads, SMOL.name)
+                assert (p.method, p.scope, p.rho, p.alpha) == (m, scope, rho, 2.0)
+                pv = p.provenance
+                assert pv["samples"] == 50 and pv["split"] == "calib" and not pv["synthetic"]
+                assert pv["command"].startswith("tangram-profile") and pv["date"]
+                assert np.all((p.B > 0) & (p.B <= 1))
+                lm = p.mu.mean(axis=1)
+                if scope == "per-layer" and m != "pyramidkv":
+                    np.testing.assert_allclose(lm, rho, atol=0.01)
+                elif scope == "cross-layer":
+                    assert p.mu.mean() == pytest.approx(rho, abs=0.01)

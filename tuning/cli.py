@@ -91,7 +91,7 @@ def _build(args):
         profile.check_model(model.num_layers, model.num_kv_heads, model.name)
     else:
         e = space.engine({})
-        profile = default_profile(model, e.rho, e.alpha, args.seed)
+        profile = default_profile(model, e.rho, e.alpha, args.seed, e.score_method, e.budget_scope)
     tables = args.tables or "auto"
     if str(tables).lower() == "none":
         tables = None

@@ -11,11 +11,15 @@ attention is per kind:
   ``static`` (FlashDecoding's ``num_splits`` for every head) or ``runtime``
   (FlashInfer-style per-layer plan built on the host every step, timed as
   ``runtime_plan``);
-* prefill rows go through chunk attention with fused compression: SnapKV scores,
-  per-head top-k of ``plan.prefill_keep`` (static modes) or the layer's global
-  top-k (``dynamic``; the realised per-head keep goes back as
-  ``StepResult.realized_keep`` so the scheduler can reclaim pages), and a scatter
-  of the kept K/V into the pages. ``full`` skips scoring and keeps everything.
+* prefill rows go through chunk attention with fused compression: the scores of
+  ``engine.score_method`` (:func:`tangram.kernels.scoring.engine_chunk_scores`),
+  per-head top-k of ``plan.prefill_keep`` (static modes) or, in ``dynamic``, the
+  selection of ``engine.budget_scope`` (per-layer: the layer's top-k over all its
+  heads; uniform: each head's; cross-layer: one top-k over every layer of the
+  chunk, selected and scattered once the step's forward has scored all layers;
+  the realised per-head keep goes back as ``StepResult.realized_keep`` so the
+  scheduler can reclaim pages), and a scatter of the kept K/V into the pages.
+  ``full`` skips scoring and keeps everything.
 
 Every mode (full, uniform, dynamic, br, br+rp, tangram) runs here; the layout
 (ragged or monolithic) only changes the pool's shape (:mod:`tangram.engine.kv_cache`).
@@ -49,7 +53,7 @@ import torch
 
 import torch.nn.functional as F
 
-from tangram.budgets import drawn_keep
+from tangram.budgets import drawn_keep, layer_targets
 from tangram.config import EngineConfig
 from tangram.engine.cuda_graphs import DecodeGraphs, StaticBuffers, context_bucket
 from tangram.engine.kv_cache import KVCache
@@ -59,8 +63,9 @@ from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
     add_rms_norm, global_keep_counts, launch_decode, pool_scores, prefill_attention_varlen, rms_norm, rope_qkv,
-    runtime_plan_schedules, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
+    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
 )
+from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec
 from tangram.plan import StepPlan, StepResult
 from tangram.planner import DecodeCosts
 from tangram.scheduler import Scheduler
@@ -260,6 +265,13 @@ class Executor:
         elif self.partition not in ("static", "runtime"):
             raise ConfigError(f"unknown decode partition {self.partition!r}")
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        if not method_spec(self.engine.score_method).engine:
+            raise ConfigError(f"scoring method {self.engine.score_method!r} needs a reconstruction forward per chunk "
+                              "and cannot run in the engine's fused compression (calibrate it with tangram-profile)")
+        self.score_params = ScoreParams(window=self.opts.score_window)
+        # dynamic mode's kept share per layer (per-layer / uniform scope), or None: one threshold over all layers
+        self.layer_rho = layer_targets(self.engine.score_method, self.engine.budget_scope, self.cfg.num_layers,
+                                       self.engine.rho)
         if self.opts.dynamic_keep not in ("topk", "profile"):
             raise ConfigError(f"dynamic_keep must be topk or profile, got {self.opts.dynamic_keep!r}")
         if self.opts.dynamic_keep == "profile" and self.retention == "global" and sched.profile is None:
@@ -462,15 +474,22 @@ class Executor:
         if kp:
             arrays["pf_lens"] = plan.prefill_head_lens
             arrays["cu"] = np.asarray(bounds) - kd
+            c = plan.prefill_tokens
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
                 keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
+            elif self.retention == "global" and self.engine.budget_scope == "uniform":  # no threshold: per head
+                keep = np.broadcast_to(np.ceil(self.layer_rho[None, :, None] * c[:, None, None] - 1e-9),
+                                       (kp, L, H)).astype(np.int64)
             elif self.retention not in ("full", "global"):
                 keep = plan.prefill_keep
             if keep is not None:  # every layer's per-head counts in the step's one copy
-                arrays["keep"] = np.minimum(keep, plan.prefill_tokens[:, None, None])
-            elif self.retention == "global":  # the layer's global top-k of each chunk
-                arrays["gk"] = np.ceil(self.engine.rho * H * plan.prefill_tokens - 1e-9)
-                gk_max = int(arrays["gk"].max())
+                arrays["keep"] = np.minimum(keep, c[:, None, None])
+            elif self.retention == "global" and self.layer_rho is not None:  # per layer: its top-k over its heads
+                arrays["gk"] = np.ceil(self.layer_rho[None, :] * H * c[:, None] - 1e-9)  # [kp, L]
+                gk_max = arrays["gk"].max(axis=0).astype(np.int64).tolist()
+            elif self.retention == "global":  # cross-layer: one top-k over every layer, after the last layer
+                arrays["gk"] = np.ceil(self.engine.rho * L * H * c - 1e-9)[:, None]  # [kp, 1]
+                gk_max = [int(arrays["gk"].max())]
         st = dict(self._upload(arrays), kd=kd, kp=kp, bounds=bounds, ops=ops)
         if kd:
             st["dec_tables"], _ = self._rows_tables(plan.decode_rows)
@@ -492,8 +511,15 @@ class Executor:
         if kp:
             st["max_chunk"] = int(plan.prefill_tokens.max())
             st["gk_max"] = gk_max if "gk" in arrays else None
+            st["pf_start"], st["pf_tokens"] = plan.prefill_start.tolist(), plan.prefill_tokens.astype(np.int64)
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
+            if self.retention == "global" and "keep" not in arrays and self.layer_rho is None:
+                st["deferred"] = []  # cross-layer: (pooled scores, k, v, tables, lens) per layer
         h = self._layers(st["tok"], st["pos"], st)
+        if "deferred" in st:
+            ops.start("compression")
+            self._cross_layer_select(st)
+            ops.stop("compression")
         return h.index_select(0, st["rows"]), st, host_plan_s
 
     def _forward_graph(self, plan: StepPlan, ids, pos) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -605,22 +631,63 @@ class Executor:
             select_scatter(None, k, v, cu, cmax, None, pool, tables, lens, s2h, **kw)
         else:
             realized = st["realized"][:, l]
-            scores = self._chunk_scores(l, q, k, lse, cu, cmax)
-            if "keep" in st:  # per-head counts: the plan's (static modes) or drawn (dynamic, profile)
-                select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, kept=realized, **kw)
-            else:  # dynamic: the layer's global top-k of each chunk, as per-head counts over the pooled scores
-                pooled = pool_scores(scores)
-                counts = global_keep_counts(pooled, cu, st["gk"], st["gk_max"])
-                select_scatter(pooled, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
+            scores = self._chunk_scores(l, q, k, v, lse, cu, cmax, st)  # finished: select_scatter pools nothing
+            if "keep" in st:  # per-head counts: the plan's (static modes), drawn (dynamic, profile) or the uniform scope
+                select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, pool_kernel=1,
+                               kept=realized, **kw)
+            elif "deferred" in st:  # dynamic, cross-layer: selected once every layer has scored the chunks
+                st["deferred"].append((scores, k, v, tables, lens))
+            else:  # dynamic, per-layer: the layer's top-k of each chunk over all its heads, as per-head counts
+                counts = global_keep_counts(scores, cu, st["gk"][:, l], st["gk_max"][l])
+                select_scatter(scores, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
                                **kw)
         ops.stop("compression")
 
-    def _chunk_scores(self, l: int, q, k, lse, cu, max_chunk: int) -> torch.Tensor:
-        """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end; raw: select_scatter pools it) of
-        every new token of the step's chunks at layer ``l``: SnapKV, one launch for all chunks. The seam for
-        other scoring methods (their scores go through the same selection and copy)."""
-        return snapkv_scores_varlen(q, k, lse, cu, max_chunk, self.cache.head_to_slot[l],
-                                    window=self.opts.score_window)
+    def _chunk_scores(self, l: int, q, k, v, lse, cu, max_chunk: int, st: dict) -> torch.Tensor:
+        """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end) of every new token of the step's
+        chunks at layer ``l`` by ``engine.score_method`` (:func:`tangram.kernels.scoring.engine_chunk_scores`,
+        the scores the profiles are calibrated with). SnapKV/PyramidKV with every chunk longer than the window:
+        one launch for all chunks (the raw window sums) and kvpress's finish batched (mean over the window's
+        queries, pooling over the tokens before the window, the window kept); other methods chunk by chunk."""
+        kp, H = cu.numel() - 1, self.cfg.num_kv_heads
+        CS = score_width(max_chunk)
+        spec, P = method_spec(self.engine.score_method), self.score_params
+        c = st["pf_tokens"]
+        W = P.window
+        if spec.scorer == "snapkv" and int(c.min()) > W:
+            raw = snapkv_scores_varlen(q, k, lse, cu, max_chunk, self.cache.head_to_slot[l], window=W,
+                                       sm_scale=self.scale)
+            g = self.cfg.num_q_heads // H
+            cols = torch.arange(CS, device=raw.device)[None, None, :]
+            cd = cu[1:] - cu[:-1]
+            end = (cd.long() - W)[:, None, None]  # tokens before the window
+            s = (raw / (W * g)).masked_fill(cols >= end, 0.0)
+            s = pool_scores(s, P.kernel)
+            s = s.masked_fill((cols >= end) & (cols < cd.long()[:, None, None]), float("inf"))
+            return s.masked_fill(cols >= cd.long()[:, None, None], 0.0)
+        out = torch.zeros((kp, H, CS), dtype=torch.float32, device=q.device)
+        bounds = np.concatenate([[0], np.cumsum(c)])
+        s2h, h2s = self.cache.slot_to_head[l], self.cache.head_to_slot[l]
+        for i in range(kp):
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            out[i, :, :b - a] = engine_chunk_scores(self.engine.score_method, q[a:b], k[a:b], v[a:b], lse[:, a:b],
+                                                    s2h, pos0=st["pf_start"][i], inv_freq=self.model.inv_freq,
+                                                    params=P, head_to_slot=h2s, scale=self.scale)
+        return out
+
+    def _cross_layer_select(self, st: dict) -> None:
+        """Dynamic mode, cross-layer scope: each chunk keeps its top ceil(rho * L * H * c) keys over every layer and
+        head at once (one threshold), then each layer's kept K/V is copied as in the per-layer path. The chunk's
+        own attention never reads its pages, so deferring the copy to the end of the step changes nothing."""
+        rows = st.pop("deferred")
+        cu, cmax = st["cu"], st["max_chunk"]
+        L, H = len(rows), self.cfg.num_kv_heads
+        scores = torch.cat([r[0] for r in rows], dim=1)  # [kp, L*H, CS], layer-major
+        counts = global_keep_counts(scores, cu, st["gk"][:, 0], st["gk_max"][0]).view(-1, L, H)
+        kw = dict(page_size=self.P, heads_per_group=self.hp, pool_kernel=1)
+        for l, (sc, k, v, tables, lens) in enumerate(rows):
+            select_scatter(sc, k, v, cu, cmax, counts[:, l].contiguous(), self.cache.layer_pool(l), tables, lens,
+                           self.cache.slot_to_head[l], kept=st["realized"][:, l], **kw)
 
     # ------------------------------------------------------------------ checks
     def pages_in_use(self) -> int:

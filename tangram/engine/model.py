@@ -54,6 +54,7 @@ class AttnEvent:
     q_pos: Tensor  # [T]
     new_start: int  # index in the cache of the first new token
     scale: float
+    inv_freq: Tensor | None = None  # the model's RoPE frequencies [D/2] (scorers that undo or predict RoPE)
 
 
 class TorchAttention:
@@ -67,6 +68,7 @@ class TorchAttention:
     def __init__(self, cfg: ModelConfig, observers: list[Callable[[AttnEvent], None]] | None = None):
         self.cfg = cfg
         self.observers = list(observers or [])
+        self.inv_freq = rope_inv_freq(cfg)
         self.reset()
 
     def reset(self) -> None:
@@ -117,7 +119,7 @@ class TorchAttention:
         N = K.shape[2]
         scale = 1.0 / math.sqrt(D)
         if self.observers:
-            ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale)
+            ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale, self.inv_freq)
             for obs in self.observers:
                 obs(ev)
         allowed = keep[:, :, None, :] & (self.pos[None, None, None, :] <= ctx.input_pos[None, None, :, None])

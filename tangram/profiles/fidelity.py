@@ -106,8 +106,8 @@ class RunState:
     meter: MassMeter
 
 
-def _fresh(model, method: str, window: int | None) -> RunState:
-    scorer, meter = make_scorer(method, model.cfg.num_layers, window), MassMeter()
+def _fresh(model, method: str, window: int | None, tok=None) -> RunState:
+    scorer, meter = make_scorer(method, model.cfg.num_layers, window, tokenizer=tok), MassMeter()
     return RunState(Session(model, TorchAttention(model.cfg, observers=[scorer, meter])), scorer, meter)
 
 
@@ -152,6 +152,7 @@ def _prefill(st: RunState, spec: ModeSpec, tokens: list[int], chunk: int, stats:
     a = 0
     if first_done is not None:  # the first chunk was computed before cloning
         start = st.sess.length - min(chunk, len(tokens))
+        st.scorer.after_chunk(st.sess, tokens[:chunk])  # KVzip's reconstruction forward; a no-op for the others
         _compress(st, spec, start, st.scorer.take()[:, 0], stats)
         a = min(chunk, len(tokens))
     while a < len(tokens):
@@ -159,6 +160,7 @@ def _prefill(st: RunState, spec: ModeSpec, tokens: list[int], chunk: int, stats:
         start = st.sess.length
         logits = st.sess.forward(piece, last_only=True)[-1]
         if len(piece) >= st.scorer.min_tokens:
+            st.scorer.after_chunk(st.sess, piece)
             _compress(st, spec, start, st.scorer.take()[:, 0], stats)
         a += chunk
     return logits
@@ -177,7 +179,7 @@ def run_sample(model, tok, sample: Sample, specs: list[ModeSpec], *, chunk: int,
     assert specs[0].kind == "full"
     eos = tok.eos_id
     turns = [turn_tokens(tok, sample, t) for t in range(len(sample.turns))]
-    base = _fresh(model, method, window)
+    base = _fresh(model, method, window, tok)
     first = base.sess.forward(turns[0][:chunk], last_only=True)[-1]
     refs: list[list[int]] = []
     for spec in specs:
@@ -280,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--method", default="ada-snapkv")
-    p.add_argument("--profile", default="tangram/profiles/data/smollm2-135m_ada-snapkv_rho{rho}.npz",
+    p.add_argument("--profile", default="tangram/profiles/data/smollm2-135m_ada-snapkv_per-layer_rho{rho}.npz",
                    help="calibrated profile per rho ({rho} substituted)")
     p.add_argument("--rhos", default="0.25,0.5,0.75")
     p.add_argument("--list-profiles", default="tangram/profiles/data/smollm2-135m_*.npz",

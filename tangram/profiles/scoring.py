@@ -1,50 +1,60 @@
-"""Key-importance scoring methods and the token-selection policies of the serving modes.
+"""Scoring methods as observers of the reference backend, and the token-selection policies of the serving modes.
 
 Scorers are observers of :class:`tangram.engine.model.TorchAttention`: on every
 prefill chunk they score that chunk's new keys per KV head ([B, Hkv, T]) from
 the layer's queries and cache, exactly when an engine would compress the chunk.
+The formulas (one per method, with sources and parameters) live in
+:mod:`tangram.kernels.scoring`, which the engine's compression path calls too;
+this module turns an :class:`AttnEvent` into that module's chunk layout.
 
-* ``ada-snapkv``: SnapKV (Li et al. 2024) scores -- attention of the chunk's
-  last ``window`` queries, summed over the window, max-pooled (kernel 7) along
-  keys, averaged over the KV head's query heads (GQA); the window's own tokens
-  are always kept (score = +inf). Ada-KV (Feng et al. 2024) then allocates
-  non-uniformly by a layer-wide top-k over all KV heads (see
-  :func:`global_topk_mask`). Ada-KV's safeguard floor is not applied.
-* ``expected-attention``: Devoto et al. 2025 -- fit a Gaussian N(mu, Sigma) to
-  the chunk's last ``window`` post-RoPE queries of each query head and score a
-  key by its expected attention exp(s mu.k + s^2/2 k^T Sigma k) (the Gaussian
-  moment-generating function), normalised over the keys the head can see,
-  times ||v||. Simplification: statistics come from the recent queries as
-  they are, not rotated to averaged future positions as in kvpress.
+``make_scorer(method, num_layers, window)`` is the registry every caller uses
+(profiles CLI, fidelity harness). KVzip is the one scorer that needs more than
+an observer: after a chunk is prefilled it runs a second forward (the repeat
+prompt plus the chunk) through the session, so its callers invoke
+:meth:`ChunkScorer.after_chunk` after every chunk (a no-op for the others).
 """
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from tangram.engine.model import AttnEvent, attention_probs
+from tangram.budgets import METHODS, SCOPES
+from tangram.engine.model import AttnEvent
 from tangram.errors import ConfigError
-
-METHODS = ("ada-snapkv", "expected-attention")
+from tangram.kernels.scoring import (LOG2E, ScoreParams, chunk_scores, method_spec, rank_desc, scope_keep_mask,
+                                     snapkv_window)
 
 
 class ChunkScorer:
-    """Collects per-layer scores of the newest prefill chunk's keys."""
+    """Collects per-layer scores of the newest prefill chunk's keys (one method of :mod:`tangram.kernels.scoring`)."""
 
-    def __init__(self, num_layers: int, window: int = 32, min_tokens: int = 2):
-        self.window, self.min_tokens = window, min_tokens
+    def __init__(self, num_layers: int, method: str = "ada-snapkv", params: ScoreParams | None = None,
+                 min_tokens: int = 2):
+        self.spec = method_spec(method)
+        self.name = method
+        self.params = params or ScoreParams()
+        self.window = self.params.window
+        self.min_tokens = min_tokens
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.enabled = True
+        self.seconds = 0.0  # wall time spent scoring (calibration reports it per method)
+        self.cpu_seconds = 0.0  # process CPU time spent scoring (insensitive to other jobs on the cores)
 
     def __call__(self, ev: AttnEvent) -> None:
         T = ev.q.shape[2]
         if not self.enabled or T < self.min_tokens:
             self.scores[ev.layer] = None  # decode steps: tokens are kept, nothing to score
             return
+        t, c = time.perf_counter(), time.process_time()
         self.scores[ev.layer] = self.score(ev).float()
+        self.seconds += time.perf_counter() - t
+        self.cpu_seconds += time.process_time() - c
+
+    def after_chunk(self, sess, tokens: list[int]) -> None:
+        """Called by the chunk loop after each prefill chunk's forward; only KVzip uses it."""
 
     def take(self) -> torch.Tensor:
         """Scores of the last chunk for all layers [L, B, Hkv, T]."""
@@ -54,80 +64,133 @@ class ChunkScorer:
         self.scores = [None] * len(self.scores)
         return out
 
-    def score(self, ev: AttnEvent) -> torch.Tensor:
-        raise NotImplementedError
-
-
-def _window_allowed(ev: AttnEvent, w: int) -> torch.Tensor:
-    qp = ev.q_pos[-w:]
-    return ev.keep[:, :, None, :] & (ev.k_pos[None, None, None, :] <= qp[None, None, :, None])
-
-
-class SnapKVScorer(ChunkScorer):
-    name = "ada-snapkv"
-
-    def __init__(self, num_layers: int, window: int = 32, kernel: int = 7):
-        super().__init__(num_layers, window)
-        self.kernel = kernel
+    def _lse_rows(self, T: int) -> int:
+        rows = self.spec.lse_rows
+        return snapkv_window(self.params.window, T) if rows == "window" else 1 if rows == "last" else 0
 
     def score(self, ev: AttnEvent) -> torch.Tensor:
-        T = ev.q.shape[2]
-        w = min(self.window, T)
         B, Hkv = ev.k.shape[:2]
-        g = ev.q.shape[1] // Hkv
-        allowed = _window_allowed(ev, w).repeat_interleave(g, dim=1)
-        p = attention_probs(ev.q[:, :, -w:], ev.k, allowed, ev.scale)  # [B, Hq, w, N]
-        s = p[..., ev.new_start:].sum(dim=2)  # [B, Hq, T]
-        s = F.max_pool1d(s.reshape(-1, 1, T), self.kernel, stride=1, padding=self.kernel // 2).reshape(s.shape)
-        s = s.reshape(B, Hkv, g, T).mean(dim=2)
-        s[..., T - w:] = float("inf")  # SnapKV keeps its observation window
-        return s
-
-
-class ExpectedAttentionScorer(ChunkScorer):
-    name = "expected-attention"
-
-    def __init__(self, num_layers: int, window: int = 64, use_vnorm: bool = True):
-        super().__init__(num_layers, window)
-        self.use_vnorm = use_vnorm
-
-    def score(self, ev: AttnEvent) -> torch.Tensor:
         T = ev.q.shape[2]
-        w = min(self.window, T)
-        B, Hkv, N, D = ev.k.shape
-        g = ev.q.shape[1] // Hkv
-        qw = ev.q[:, :, -w:].double()
-        mu = qw.mean(dim=2)  # [B, Hq, D]
-        xc = qw - mu[:, :, None]
-        cov = xc.transpose(-1, -2) @ xc / max(w - 1, 1)  # [B, Hq, D, D]
-        K = ev.k.double().repeat_interleave(g, dim=1)  # [B, Hq, N, D]
-        s = ev.scale
-        logit = s * torch.einsum("bhnd,bhd->bhn", K, mu) + 0.5 * s * s * torch.einsum("bhnd,bhde,bhne->bhn", K, cov, K)
-        visible = ev.keep.repeat_interleave(g, dim=1)  # the chunk's future queries see every kept key
-        logit = logit.masked_fill(~visible, float("-inf"))
-        ea = torch.softmax(logit, dim=-1)[..., ev.new_start:]  # [B, Hq, T]
-        if self.use_vnorm:
-            ea = ea * ev.v[:, :, ev.new_start:].double().norm(dim=-1).repeat_interleave(g, dim=1)
-        return ea.reshape(B, Hkv, g, T).mean(dim=2)
+        r = self._lse_rows(T)
+        out = []
+        for b in range(B):
+            q = ev.q[b].transpose(0, 1)  # [T, Hq, D]
+            k = ev.k[b, :, ev.new_start:].transpose(0, 1)
+            v = ev.v[b, :, ev.new_start:].transpose(0, 1)
+            lse2 = event_lse2(ev, b, r) if r else None
+            out.append(chunk_scores(self.name, q, k, v, lse2, pos0=int(ev.q_pos[0]), inv_freq=ev.inv_freq,
+                                    params=self.params, scale=ev.scale))
+        return torch.stack(out)
 
 
-def make_scorer(method: str, num_layers: int, window: int | None = None) -> ChunkScorer:
-    if method == "ada-snapkv":
-        return SnapKVScorer(num_layers, window or 32)
-    if method == "expected-attention":
-        return ExpectedAttentionScorer(num_layers, window or 64)
-    raise ConfigError(f"unknown scoring method {method!r}; choose from {', '.join(METHODS)}")
+def event_lse2(ev: AttnEvent, b: int, rows: int) -> torch.Tensor:
+    """Base-2 log-sum-exp [Hq, T] of the chunk's last ``rows`` queries over every key they attend (kept cache +
+    the chunk, causal), as the engine's prefill kernel writes it; the other rows are +inf (never read)."""
+    Hq, T = ev.q.shape[1], ev.q.shape[2]
+    g = Hq // ev.k.shape[1]
+    qr = ev.q[b, :, T - rows:].float()  # [Hq, r, D]
+    s = torch.einsum("hrd,hnd->hrn", qr, ev.k[b].float().repeat_interleave(g, dim=0)) * ev.scale
+    ok = ev.keep[b].repeat_interleave(g, dim=0)[:, None, :] & (ev.k_pos[None, None, :] <= ev.q_pos[T - rows:][None, :, None])
+    lse = torch.full((Hq, T), math.inf)
+    lse[:, T - rows:] = torch.logsumexp(s.masked_fill(~ok, -math.inf), dim=-1) * LOG2E
+    return lse
+
+
+class KVzipScorer(ChunkScorer):
+    """KVzip (Kim et al. 2025; kvpress ``KVzipPress``): a key matters as much as the model needs it to repeat its
+    context. After a chunk is prefilled, ``after_chunk`` feeds "\\n\\nRepeat the previous context exactly." (later
+    chunks: "...the part of the previous context exactly, starting with" + the previous chunk's last 8 tokens),
+    the chat template's end of turn and the chunk's tokens again; per layer, each repeat query's softmax over the
+    sink keys, the chunk's keys and the repeat's own keys (causal) is taken, and a chunk key's score is its largest
+    probability over the repeat queries and the KV head's query heads. The repeat's KV is then dropped. It reads
+    nothing after the chunk (the cache holds only the prefix and the chunk), but costs a second forward of about
+    c + 20 tokens per chunk of c, so it is a calibration/fidelity scorer; the engine's fused per-layer compression
+    cannot run it. Sequence positions < n_sink are kept (kvpress sets their score to 1)."""
+
+    def __init__(self, num_layers: int, tokenizer, params: ScoreParams | None = None, min_tokens: int = 2,
+                 tail: int = 8):
+        super().__init__(num_layers, "kvzip", params, min_tokens)
+        if tokenizer is None:
+            raise ConfigError("kvzip scoring needs the model's tokenizer (make_scorer(..., tokenizer=tok))")
+        self.tok, self.tail = tokenizer, tail
+        text = tokenizer.render_chat([{"role": "user", "content": "\x00"}], add_generation_prompt=True)
+        self.suffix = tokenizer.encode(text.split("\x00", 1)[1]) if "\x00" in text else tokenizer.encode("\n")
+        self.first_prompt = tokenizer.encode("\n\nRepeat the previous context exactly.")
+        self.next_prompt = tokenizer.encode("\n\nRepeat the part of the previous context exactly, starting with")
+        self._repeat = False
+        self._chunk: tuple[int, int] = (0, 0)
+        self._prev: list[int] = []
+
+    def __call__(self, ev: AttnEvent) -> None:
+        if not self.enabled:
+            self.scores[ev.layer] = None
+            return
+        if not self._repeat:  # the chunk's own forward: only note where its keys are
+            T = ev.q.shape[2]
+            self.scores[ev.layer] = None
+            if T >= self.min_tokens:
+                self._chunk = (ev.new_start, ev.k.shape[2])
+            return
+        t, c = time.perf_counter(), time.process_time()
+        self.scores[ev.layer] = self._reconstruction_scores(ev)
+        self.seconds += time.perf_counter() - t
+        self.cpu_seconds += time.process_time() - c
+
+    def _reconstruction_scores(self, ev: AttnEvent) -> torch.Tensor:
+        cs, ce = self._chunk
+        B, H, N, D = ev.k.shape
+        Hq, R = ev.q.shape[1], ev.q.shape[2]
+        g = Hq // H
+        sink = min(self.params.n_sink, cs)
+        idx = torch.cat([torch.arange(sink), torch.arange(cs, ce), torch.arange(ev.new_start, N)])
+        Ks = ev.k[:, :, idx].float().repeat_interleave(g, dim=1)  # [B, Hq, n, D]
+        s = torch.einsum("bhrd,bhnd->bhrn", ev.q.float(), Ks) * ev.scale
+        ok = ev.keep[:, :, idx].repeat_interleave(g, dim=1)[:, :, None, :].expand(B, Hq, R, idx.numel()).clone()
+        rep = torch.arange(R)
+        ok[..., sink + ce - cs:] &= rep[None, :] <= rep[:, None]  # the repeat attends to itself causally
+        p = torch.softmax(s.masked_fill(~ok, -math.inf), dim=-1)[..., sink:sink + ce - cs]  # [B, Hq, R, c]
+        sc = p.amax(dim=2).view(B, H, g, ce - cs).amax(dim=2)
+        pos = ev.k_pos[cs:ce]
+        return sc.masked_fill((pos < self.params.n_sink)[None, None, :], math.inf)
+
+    def after_chunk(self, sess, tokens: list[int]) -> None:
+        if not self.enabled or len(tokens) < self.min_tokens:
+            return
+        n0 = sess.length
+        if n0 != self._chunk[1]:
+            raise RuntimeError("kvzip: after_chunk must follow the chunk's forward")
+        first = self._chunk[0] == 0
+        prompt = self.first_prompt if first or not self._prev else self.next_prompt + self._prev[-self.tail:]
+        self._repeat = True
+        t, c, inner, inner_cpu = time.perf_counter(), time.process_time(), self.seconds, self.cpu_seconds
+        try:
+            sess.forward(prompt + self.suffix + list(tokens), last_only=True)
+        finally:
+            self._repeat = False
+            sess.backend.truncate(n0)
+        self.seconds = inner + time.perf_counter() - t  # the repeat forward is this scorer's cost
+        self.cpu_seconds = inner_cpu + time.process_time() - c
+        self._prev = list(tokens)
+
+
+def make_scorer(method: str, num_layers: int, window: int | None = None, *, params: ScoreParams | None = None,
+                tokenizer=None) -> ChunkScorer:
+    """The scorer registry: ``method`` in :data:`METHODS`; ``window`` overrides the SnapKV observation window."""
+    if method not in METHODS:
+        raise ConfigError(f"unknown scoring method {method!r}; choose from {', '.join(METHODS)}")
+    params = params or ScoreParams()
+    if window is not None:
+        params = ScoreParams(**{**params.__dict__, "window": int(window)})
+    if method == "kvzip":
+        return KVzipScorer(num_layers, tokenizer, params)
+    return ChunkScorer(num_layers, method, params)
 
 
 # --------------------------------------------------------------------------- selection policies
 
 
 def _rank_desc(scores: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Rank of each entry in descending score order (ties: lower index first), as int64."""
-    order = torch.argsort(scores, dim=dim, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(dim, order, torch.arange(scores.shape[dim], device=scores.device).expand_as(order).contiguous())
-    return ranks
+    return rank_desc(scores, dim)
 
 
 def budget_tokens(ratio, n: int) -> np.ndarray:
@@ -151,5 +214,5 @@ def global_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
     return (_rank_desc(flat) < k).reshape(scores.shape)
 
 
-__all__ = ["METHODS", "ChunkScorer", "SnapKVScorer", "ExpectedAttentionScorer", "make_scorer",
-           "per_head_topk_mask", "global_topk_mask", "budget_tokens"]
+__all__ = ["METHODS", "SCOPES", "ScoreParams", "ChunkScorer", "KVzipScorer", "make_scorer", "event_lse2",
+           "per_head_topk_mask", "global_topk_mask", "scope_keep_mask", "budget_tokens"]
