@@ -20,7 +20,7 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "preemptions", "session_evictions"]
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead"}
+            "tables", "calibration", "slo", "target_rate", "engine_overhead", "accuracy_table"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting --slo")
     p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--accuracy-table", help="measured accuracy table file, or a model whose shipped table to use "
+                   "(default: the model's own; another model's is labelled borrowed)")
     return p
 
 
@@ -165,9 +167,13 @@ def resolve(args) -> dict:
         raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
     spec = SimSpec(model, gpu, engine, profile, replicas, router, seed, tables,
                    CostParams(engine_overhead=eo))
+    from tangram.profiles.accuracy import AccuracyModel
+
+    acc, acc_label = AccuracyModel.for_run(model.name, profile, getattr(args, "accuracy_table", None)
+                                           or cfg.get("accuracy_table"))
     return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo,
             "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
-            "out": Path(args.out or cfg.get("out", DEFAULT_OUT))}
+            "out": Path(args.out or cfg.get("out", DEFAULT_OUT)), "accuracy": acc, "accuracy_label": acc_label}
 
 
 def run(args) -> dict:
@@ -213,9 +219,18 @@ def run(args) -> dict:
               "router": spec.router, "profile": r["profile_label"], "offered_rps": offered_rps(trace)
               if len({t.arrival_s for t in trace.turns if t.turn == 0}) > 1 else None,
               "slo": r["slo"], "target_rate": r["target_rate"]}
-    for m in metrics.values():
+    common["accuracy"] = r["accuracy_label"]
+    for mode, m in metrics.items():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
         m["run"] = common
+        if r["accuracy"] is not None:  # measured task accuracy at the mode's kept share
+            e = spec.engine
+            est = r["accuracy"].estimate(mode, spec.profile, e.alpha, e.rho)
+            m.update(kv_share=est.kv_share, accuracy=est.value, accuracy_rel=est.relative, accuracy_source=est.source)
+        else:
+            from tangram.profiles.accuracy import mode_kv_share
+            m.update(kv_share=mode_kv_share(mode, spec.profile, spec.engine.alpha, spec.engine.rho), accuracy=None,
+                     accuracy_rel=None, accuracy_source=r["accuracy_label"])
     out = r["out"]
     out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", metrics)
@@ -223,6 +238,7 @@ def run(args) -> dict:
     write_report(out, metrics, results, curves, common, argv=getattr(args, "_argv", None),
                  plots=not args.no_plots)
     _print_table(metrics, args.capacity)
+    print(r["accuracy_label"])
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
 
@@ -230,7 +246,7 @@ def run(args) -> dict:
 def _print_table(metrics: dict, capacity: bool) -> None:
     import pandas as pd
 
-    cols = TABLE_COLS + (["max_rate_rps", "replicas_needed"] if capacity else [])
+    cols = TABLE_COLS + ["kv_share", "accuracy"] + (["max_rate_rps", "replicas_needed"] if capacity else [])
     df = pd.DataFrame({m: {c: v.get(c) for c in cols} for m, v in metrics.items()}).T
     with pd.option_context("display.width", 250, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
         print(df.to_string())
