@@ -270,8 +270,8 @@ def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
-    lines = (out / "partial.jsonl").read_text().splitlines()
-    assert len(lines) == 1 + 1 + 1 + 1  # fingerprint, 1 task sample, 1 KL passage, 1 curve sample
+    assert len((out / "partial.jsonl").read_text().splitlines()) == 1 + 1 + 1  # fingerprint, 1 task, 1 KL passage
+    assert len((out / "partial_curve.jsonl").read_text().splitlines()) == 1 + 1  # fingerprint, 1 curve sample
     with pytest.raises(SystemExit):  # a rerun of the same configuration resumes: nothing is recomputed
         main(argv)
     assert json.loads((out / "results.json").read_text())["results"]["timings"]["resumed_samples"] == 3

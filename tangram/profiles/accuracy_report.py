@@ -26,7 +26,7 @@ from tangram.profiles.evaluate import SCOPES, Mode
 
 # Context length (first-turn prompt tokens) per task: the longest of the measured curve's lengths at which the
 # full cache answers >= 80% (reports/fidelity/README.md shows the curve these come from).
-DEFAULT_LENGTHS = {"passkey": 512, "niah_single": 512, "niah_multikey": 512, "vt": 512, "mt_niah": 512}
+DEFAULT_LENGTHS = {"passkey": 512, "niah_single": 768, "niah_multikey": 512, "vt": 1024, "mt_niah": 512}
 HEADLINE_TURN = 1  # mt_niah's headline is its first follow-up turn (index 1): the question-agnostic case
 
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-samples", type=int, default=100, help="documentation passages for KL (0: none)")
     p.add_argument("--kl-context", type=int, default=512, help="context tokens of a KL passage")
     p.add_argument("--kl-continuation", type=int, default=16, help="continuation tokens scored by KL")
-    p.add_argument("--curve", default="256,512,768,1024,1536",
+    p.add_argument("--curve", default="256,512,768,1024",
                    help="context lengths of the full-cache accuracy curve ('' to skip)")
     p.add_argument("--curve-samples", type=int, default=30)
     p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk C (the engine's default)")
@@ -189,38 +189,67 @@ def run(args, lists: dict, out: Path) -> dict:
     t0 = time.time()
     # one pool for the curve and the main run: the most expensive jobs (long curve prompts) first
     jobs = sorted(jobs_curve, key=lambda j: -j[3]) + jobs_main
-    # every finished sample is appended to OUT/partial.jsonl; a rerun of the same configuration resumes from it
-    fp = json.dumps({"modes": [m.key for m in modes], "opts": opts, "model": args.model, "weights": args.weights},
-                    sort_keys=True, default=str)
-    part = out / "partial.jsonl"
-    done: dict[str, dict] = {}
-    if part.is_file() and not args.fresh:
-        lines = part.read_text().splitlines()
-        if lines and json.loads(lines[0]).get("fingerprint") == fp:
-            for ln in lines[1:]:
-                try:
-                    d = json.loads(ln)
-                except json.JSONDecodeError:  # a line cut by a kill
-                    continue
-                done[json.dumps(d["job"])] = d["result"]
-    todo = [j for j in jobs if json.dumps(list(j)) not in done]
-    for r in done.values():
-        raw[r["kind"]].append(r)
-    timings["resumed_samples"] = len(done)
-    with open(part, "a" if done else "w") as f:
-        if not done:
-            f.write(json.dumps({"fingerprint": fp}) + "\n")
+    # Every finished sample is appended to OUT/partial*.jsonl; a rerun of the same configuration resumes from it.
+    # The curve (full cache only) does not depend on the modes, so it has its own file and fingerprint.
+    same = {"model": args.model, "weights": args.weights, **{k: opts[k] for k in ("split", "turns", "chunk", "window",
+                                                                               "dtype")}}
+    books = {"curve": _Book(out / "partial_curve.jsonl", same, args.fresh),
+             "main": _Book(out / "partial.jsonl", dict(same, modes=[m.key for m in modes], opts=opts), args.fresh)}
+    todo = [j for j in jobs if not books["curve" if j[0] == "curve" else "main"].has(j)]
+    for b in books.values():
+        for r in b.done.values():
+            raw[r["kind"]].append(r)
+    timings["resumed_samples"] = sum(len(b.done) for b in books.values())
+    cpu = [r.get("cpu_seconds", 0.0) for b in books.values() for r in b.done.values()]
+    try:
         for res in run_jobs(todo, modes=modes, opts=opts, desc="accuracy", **common):
             r = _jsonable(res)
             raw[r["kind"]].append(r)
-            f.write(json.dumps({"job": _job_of(r), "result": r}) + "\n")
-            f.flush()
+            cpu.append(r.get("cpu_seconds", 0.0))
+            books["curve" if r["kind"] == "curve" else "main"].add(r)
+    finally:
+        for b in books.values():
+            b.close()
+    timings["cpu_seconds"] = round(float(sum(cpu)), 1)
     timings["evaluation_s"] = round(time.time() - t0, 1)
     timings["total_s"] = round(time.time() - t_start, 1)
     per_job = [r["seconds"] for k in ("task", "kl") for r in raw[k]]
     timings["sample_seconds_mean"] = round(float(np.mean(per_job)), 2) if per_job else None
     return {"modes": [_mode_dict(m) for m in modes], "notes": notes, "calibrated_profiles": calibrated,
             "raw": raw, "timings": timings}
+
+
+class _Book:
+    """Append-only record of finished samples, valid for one configuration fingerprint."""
+
+    def __init__(self, path: Path, fingerprint: dict, fresh: bool):
+        self.path, self.fp = path, json.dumps(fingerprint, sort_keys=True, default=str)
+        self.done: dict[str, dict] = {}
+        if path.is_file() and not fresh:
+            lines = path.read_text().splitlines()
+            if lines and json.loads(lines[0]).get("fingerprint") == self.fp:
+                for ln in lines[1:]:
+                    try:
+                        d = json.loads(ln)
+                    except json.JSONDecodeError:  # a line cut by a kill
+                        continue
+                    self.done[json.dumps(d["job"])] = d["result"]
+        self.f = None
+
+    def has(self, job: tuple) -> bool:
+        return json.dumps(list(job)) in self.done
+
+    def add(self, r: dict) -> None:
+        if self.f is None:
+            self.f = open(self.path, "a" if self.done else "w")
+            if not self.done:
+                self.f.write(json.dumps({"fingerprint": self.fp}) + "\n")
+        self.f.write(json.dumps({"job": _job_of(r), "result": r}) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
 
 
 def _job_of(r: dict) -> list:
@@ -643,12 +672,16 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
                 L.append(f"| {lab} | " + " | ".join(cells) + " |")
             L += [""]
         L += ["</details>", ""]
+    cpu_task = [r.get("cpu_seconds") for k in ("task", "kl") for r in res["raw"][k] if r.get("cpu_seconds")]
     L += ["## Cost", "",
-          f"Evaluation {tm.get('evaluation_s', 0):.0f} s for {len(res['raw']['task'])} task samples, "
-          f"{len(res['raw']['kl'])} KL passages and {len(res['raw']['curve'])} curve samples; "
-          f"{len(res['modes'])} modes per sample; mean {tm.get('sample_seconds_mean')} s per (task or KL) sample "
-          f"in one worker" + (f"; calibration of missing profiles {tm['calibration_s']:.0f} s" if
-                               "calibration_s" in tm else "") + ".", "",
+          f"Evaluation {tm.get('evaluation_s', 0):.0f} s wall for {len(res['raw']['task'])} task samples, "
+          f"{len(res['raw']['kl'])} KL passages and {len(res['raw']['curve'])} curve samples "
+          f"({tm.get('resumed_samples', 0)} of them resumed from `partial*.jsonl`, finished by an earlier run of "
+          f"the same configuration); {len(res['modes'])} modes per sample"
+          + (f"; calibration of missing profiles {tm['calibration_s']:.0f} s" if "calibration_s" in tm else "")
+          + ". Wall time depends on what else runs on the machine (load averages above); CPU time does not: "
+          f"{tm.get('cpu_seconds', 0):.0f} CPU-s for the evaluated samples"
+          + (f", {np.mean(cpu_task):.1f} CPU-s per task or KL sample (all modes)" if cpu_task else "") + ".", "",
           "Raw per-sample outcomes: `results.json`; the accuracy table the simulator and tuner read: "
           f"`{Path(meta['table']).name}`.", ""]
     return "\n".join(L)
@@ -700,7 +733,8 @@ def write_report(res: dict, meta: dict, lists: dict, out: Path) -> None:
     if cur:
         plot_curve(cur, out / "curve.png")
     for s in lists["scorers"]:
-        plot_frontier(agg, res, s, lists["scopes"], out / f"frontier_{s}.png", cfg.num_layers, cfg.num_kv_heads)
+        if any(r["scorer"] == s for r in agg["rows"]):
+            plot_frontier(agg, res, s, lists["scopes"], out / f"frontier_{s}.png", cfg.num_layers, cfg.num_kv_heads)
     (out / "comparisons.json").write_text(json.dumps(comps, indent=1) + "\n")
     (out / "report.md").write_text(markdown(res, agg, comps, meta, lists, curve_lines))
 

@@ -495,6 +495,14 @@ def build_task_sample(tok, task: str, split: str, index: int, length: int, n_tur
 
 
 def run_job(job: tuple) -> dict:
+    """:func:`_run_job` plus the CPU time it took in this process (wall time depends on the machine's load)."""
+    c0 = time.process_time()
+    out = _run_job(job)
+    out["cpu_seconds"] = round(time.process_time() - c0, 3)
+    return out
+
+
+def _run_job(job: tuple) -> dict:
     """One sample in a worker: ('task'|'curve', task, index, length) | ('kl', index) | ('calib', index).
 
     Task samples run in ``opts['dtype']`` (the task model); KL and calibration always in float32 (bfloat16
