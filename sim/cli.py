@@ -63,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="step every decode step one by one (the reference path; same results, slower)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--accuracy-table", help="measured accuracy table file, or a model whose shipped table to use "
+                   "(default: the model's own; another model's is labelled borrowed)")
     return p
 
 
@@ -131,6 +133,10 @@ def run(args) -> dict:
 
     r = resolve(args, DEFAULT_OUT)
     spec, trace, modes = r["spec"], r["trace"], r["modes"]
+    from tangram.profiles.accuracy import AccuracyModel
+
+    r["accuracy"], r["accuracy_label"] = AccuracyModel.for_run(
+        spec.model.name, spec.profile, getattr(args, "accuracy_table", None) or r["config"].get("accuracy_table"))
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     ff = args.fast_forward
@@ -183,9 +189,18 @@ def run(args) -> dict:
     common = {"trace": str(r["trace_path"]), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
               "router": spec.router, "profile": r["profile_label"], "offered_rps": offered,
               "slo": r["slo"], "target_rate": r["target_rate"]}
-    for m in metrics.values():
+    common["accuracy"] = r["accuracy_label"]
+    for mode, m in metrics.items():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
         m["run"] = common
+        if r["accuracy"] is not None:  # measured task accuracy at the mode's kept share
+            e = spec.engine
+            est = r["accuracy"].estimate(mode, spec.profile, e.alpha, e.rho)
+            m.update(kv_share=est.kv_share, accuracy=est.value, accuracy_rel=est.relative, accuracy_source=est.source)
+        else:
+            from tangram.profiles.accuracy import mode_kv_share
+            m.update(kv_share=mode_kv_share(mode, spec.profile, spec.engine.alpha, spec.engine.rho), accuracy=None,
+                     accuracy_rel=None, accuracy_source=r["accuracy_label"])
     out = r["out"]
     out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", metrics)
@@ -196,6 +211,7 @@ def run(args) -> dict:
     for mode, m in metrics.items():
         if m.get("capacity_note"):
             print(f"{mode}: {m['capacity_note']}")
+    print(r["accuracy_label"])
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
 
@@ -212,7 +228,7 @@ def capacity_cell(m: dict) -> str:
 def _print_table(metrics: dict, capacity: bool) -> None:
     import pandas as pd
 
-    cols = TABLE_COLS + (["max_rate_rps", "replicas_needed"] if capacity else [])
+    cols = TABLE_COLS + ["kv_share", "accuracy"] + (["max_rate_rps", "replicas_needed"] if capacity else [])
     if any("prefix_hit_rate_tokens" in v for v in metrics.values()):  # a trace with shared prefixes
         cols += ["prefix_hit_rate_requests", "prefix_hit_rate_tokens", "prefix_tokens_saved",
                  "prefix_shared_pages_peak"]

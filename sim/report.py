@@ -9,7 +9,7 @@ from tangram.metrics import markdown_table, plot_capacity, plot_kv_over_time, pl
 
 REPORT_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation", "preemptions",
-               "session_evictions", "reclaim_share_of_prefill"]
+               "session_evictions", "reclaim_share_of_prefill", "kv_share", "accuracy"]
 
 
 def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: dict, *, argv=None,
@@ -31,7 +31,9 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
                                            "prefix_hit_rate_tokens", "prefix_tokens_saved",
                                            "prefix_shared_pages_peak", "prefix_cached_pages_peak",
                                            "prefix_page_copies"])]
-    lines += ["Throughput is completed requests over the span from the first arrival to the last finish.", ""]
+    lines += ["Throughput is completed requests over the span from the first arrival to the last finish.",
+              "*kv_share*: kept share of the prompt's KV tokens; *accuracy*: measured task accuracy at that share "
+              f"({common.get('accuracy') or 'not measured'}).", ""]
     if any("capacity_probes" in m for m in metrics.values()):
         lines += _capacity_section(metrics, common)
     # where the time went

@@ -15,7 +15,8 @@ from tangram.harness.slo import DEFAULT_SLO, parse_slo
 
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead", "weights", "out", "probe"}
+            "tables", "calibration", "slo", "target_rate", "engine_overhead", "weights", "out", "probe",
+            "accuracy_table"}
 
 
 @dataclass

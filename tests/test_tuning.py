@@ -156,3 +156,42 @@ def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
     monkeypatch.setattr(study, "optimize", broken)
     with pytest.raises(ValueError, match="something else"):
         st_mod.run_worker(study, ev, space, setup, 6)
+
+
+def test_accuracy_floor_picks_a_configuration_that_meets_it(tmp_path, tiny_trace):
+    """With a measured accuracy table the trials record accuracy at their kept share, the best configuration
+    meets the floor and the report states its accuracy; without a table a floor is refused in one line."""
+    from tangram.sim.run import default_profile
+    from tangram.tuning.space import SearchSpace as SS
+
+    model = get_model("llama-3.1-8b")
+    e = SS.for_model(model, fixed={"mode": "tangram"}).engine({})
+    prof = default_profile(model, e.rho, e.alpha, 3)
+    shares = [float(prof.with_alpha(a).B.mean()) for a in (0.0, 2.0, 4.0)]
+    rows = [{"task": "mean", "metric": "accuracy", "policy": "full", "kv_share": 1.0, "value": 0.92}]
+    rows += [{"task": "mean", "metric": "accuracy", "policy": "tangram", "scorer": "synthetic", "scope": "per-layer",
+              "kv_share": x, "value": y} for x, y in zip(shares, (0.5, 0.8, 0.9))]
+    table = tmp_path / "acc.json"
+    table.write_text(json.dumps({"format": "tangram-accuracy-table", "version": 1, "model": "llama-3.1-8b",
+                                 "rows": rows}))
+    out = tmp_path / "out"
+    r = _tune([str(tiny_trace), "--trials", "4", "--out", str(out), "--objective-fast", "--slo", "ttft_p99=60s",
+               "--objective", "constrained", "--seed", "3", "--accuracy-table", str(table), "--accuracy-floor", "0.8"])
+    assert r.returncode == 0, r.stderr
+    summ = json.loads((out / "summary.json").read_text())
+    bm = summ["best_metrics"]
+    assert bm["accuracy_rel"] >= 0.8 and bm["kv_share"] == pytest.approx(
+        float(prof.with_alpha(summ["best_params"]["alpha"]).B.mean()), rel=1e-9)
+    md = (out / "report.md").read_text()
+    assert "Accuracy of the tuned configuration" in md and "meets it" in md
+    cfg = json.loads((out / "best_config.json").read_text())
+    assert cfg["accuracy_table"] == str(table.resolve())
+    sim = subprocess.run([sys.executable, "-m", "tangram.sim.cli", "--config", str(out / "best_config.json"),
+                          "--no-plots", "--out", str(tmp_path / "sim")], capture_output=True, text=True, timeout=240)
+    assert sim.returncode == 0, sim.stderr
+    got = json.loads((tmp_path / "sim" / "metrics.json").read_text())["tangram"]
+    assert got["accuracy"] == pytest.approx(bm["accuracy"], rel=1e-9)  # the simulator states the same accuracy
+    r2 = _tune([str(tiny_trace), "--trials", "2", "--out", str(tmp_path / "o2"), "--objective-fast",
+                "--accuracy-floor", "0.9"])
+    assert r2.returncode == 2 and "accuracy not measured for llama-3.1-8b" in r2.stderr
+    assert len(r2.stderr.strip().splitlines()) == 1

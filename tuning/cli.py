@@ -48,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
                         "overflow <= --overflow-bound")
     p.add_argument("--overflow-bound", type=float, default=DEFAULT_BOUND,
                    help=f"largest acceptable overflow rate (default {DEFAULT_BOUND})")
+    p.add_argument("--accuracy-floor", type=float,
+                   help="keep only configurations whose measured task accuracy is >= this share of the full "
+                        "cache's (e.g. 0.95), from the model's accuracy table (tangram-accuracy)")
+    p.add_argument("--accuracy-table",
+                   help="accuracy table file, or a model whose shipped table to use (default: the tuned model's "
+                        "own; another model's table is labelled borrowed)")
+    p.add_argument("--accuracy-task", default="mean",
+                   help="task whose accuracy counts (default: the mean over the table's tasks)")
     p.add_argument("--sampler", default="tpe", choices=["tpe", "nsga2", "random"])
     p.add_argument("--seed", type=int, default=0, help="simulator/profile seed and base sampler seed")
     p.add_argument("--objective-fast", action="store_true",
@@ -97,11 +105,21 @@ def _build(args):
         tables = None
     elif tables != "auto" and not Path(tables).is_dir():
         raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
+    from tangram.profiles.accuracy import AccuracyModel
+
+    if args.accuracy_floor is not None and not (0 < args.accuracy_floor <= 1):
+        raise ConfigError(f"--accuracy-floor must be in (0, 1] (a share of the full cache's accuracy), "
+                          f"got {args.accuracy_floor}")
+    acc, acc_label = AccuracyModel.for_run(model.name, profile, args.accuracy_table, args.accuracy_task)
+    if args.accuracy_floor is not None and acc is None:
+        raise ConfigError(f"--accuracy-floor: {acc_label}")
     ev = Evaluator(model, gpu, space, profile, trace, slo, seed=args.seed, tables=tables,
                    objective="fast" if args.objective_fast else "capacity", fast_rate_scale=args.fast_rate_scale,
-                   capacity_start=args.capacity_start, capacity_iters=args.capacity_iters)
+                   capacity_start=args.capacity_start, capacity_iters=args.capacity_iters, accuracy=acc)
+    ev.accuracy_label = acc_label
     setup = Setup(model.name, gpu.name, trace_path, args.slo, args.objective, float(args.overflow_bound), args.seed,
-                  bool(args.objective_fast), str(Path(args.profile).resolve()) if args.profile else None)
+                  bool(args.objective_fast), str(Path(args.profile).resolve()) if args.profile else None,
+                  args.accuracy_floor, str(Path(acc.table.path).resolve()) if acc is not None else None)
     return ev, space, setup
 
 

@@ -12,6 +12,12 @@ proxy for a head's retained attention mass:
 
 Also reported: the unweighted rate ``mean([r > B])`` and the lost share
 ``sum(max(0, r - B)) / sum(r)`` (the retained tokens the budget cut off).
+
+Measured accuracy: with an accuracy table (``tangram.profiles.accuracy``), every trial also records the task
+accuracy measured at its configuration's kept share (the mean static budget ``B(alpha)``; tangram keeps
+``ceil(B C)`` tokens per head whatever H_p is), interpolated along the table's tangram curve for the profile's
+scorer and scope, and that accuracy relative to the full cache's (``accuracy_rel``), which
+``--accuracy-floor`` constrains.
 """
 from __future__ import annotations
 
@@ -60,6 +66,7 @@ class Evaluator:
     capacity_iters: int = 5
     capacity_tol: float = 0.08
     overflow_samples: int = 256
+    accuracy: object = None  # tangram.profiles.accuracy.AccuracyModel, or None when not measured
     _fid: Fidelity | None = field(default=None, repr=False)
 
     @property
@@ -80,6 +87,7 @@ class Evaluator:
 
         spec = self.spec(params)
         out = dict(self.fidelity(params["alpha"]))
+        out.update(self.accuracy_of(params))
         mode = spec.engine.mode
         if self.objective == "fast":
             summ, _ = simulate(self.trace.scaled(self.fast_rate_scale), spec, mode, record_kv=False)
@@ -102,3 +110,12 @@ class Evaluator:
             if isinstance(v, float) and not math.isfinite(v):
                 out[k] = None
         return out
+
+    def accuracy_of(self, params: dict) -> dict:
+        """Measured accuracy at the configuration's kept share (None values when the table has none)."""
+        if self.accuracy is None:
+            return {"accuracy": None, "accuracy_rel": None, "kv_share": None}
+        e = self.space.engine(params)
+        est = self.accuracy.estimate(e.mode, self.profile, e.alpha, e.rho)
+        return {"accuracy": est.value, "accuracy_rel": est.relative, "kv_share": est.kv_share,
+                "accuracy_full": est.full}

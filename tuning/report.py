@@ -71,7 +71,8 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
                "pareto_front": [t.number for t in study.best_trials] if setup.objective == "pareto" else None,
                # trials whose capacity search found no limit: the trace is too small to saturate the deployment
                "unsaturated_trials": [t.number for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                                      if t.user_attrs.get("saturated") is False]}
+                                      if t.user_attrs.get("saturated") is False],
+               "accuracy_source": getattr(ev, "accuracy_label", None)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     df = study.trials_dataframe(attrs=("number", "state", "values" if setup.objective == "pareto" else "value",
                                        "params", "user_attrs", "duration"))
@@ -79,11 +80,29 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
     files = ["best_config.json", "paper_default_config.json", "summary.json", "trials.csv"]
     pics = _plots(study, setup, out) if plots else []
     files += pics
-    _report_md(out, summary, setup, best, base, url, argv, pics)
+    _report_md(out, summary, setup, best, base, url, argv, pics, getattr(ev, "accuracy_label", None))
     return files + ["report.md"]
 
 
-def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, argv: list[str], pics: list[str]):
+def _acc_cells(m: dict) -> str:
+    f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
+    return f"{f(m.get('kv_share'), '.3f')} | {f(m.get('accuracy'), '.3f')} | {f(m.get('accuracy_rel'), '.1%')}"
+
+
+def _accuracy_sentence(bm: dict, setup: Setup, label: str | None) -> str:
+    """What accuracy the tuned configuration was tuned at, and on what it stands."""
+    if bm.get("accuracy") is None:
+        return "Accuracy: " + (label or "not measured") + "."
+    floor = "" if setup.accuracy_floor is None else (
+        f" The accuracy floor was {setup.accuracy_floor:.0%} of the full cache's; the tuned configuration "
+        + ("meets it." if (bm.get("accuracy_rel") or 0) >= setup.accuracy_floor - 1e-12 else
+           "does NOT meet it (no trial did; the most accurate one is reported)."))
+    return (f"Accuracy of the tuned configuration: {bm['accuracy']:.3f} at a KV share of {bm['kv_share']:.3f} "
+            f"({bm['accuracy_rel']:.1%} of the full cache's {bm['accuracy_full']:.3f}); {label}." + floor)
+
+
+def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, argv: list[str], pics: list[str],
+               acc_label: str | None = None):
     from .study import redact
 
     bm = best.user_attrs
@@ -98,12 +117,14 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
         f"{setup.objective} (overflow bound {setup.overflow_bound:g}), seed {setup.seed}, "
         f"{'single simulation per trial (--objective-fast)' if setup.fast else 'capacity search per trial'}.", "",
         "## Tuned vs the paper default (H_p = 4, alpha = 2, other fields default)", "",
-        "| config | load (req/s) | overflow (weighted) | overflow (unweighted) | lost share |", "|---|---|---|---|---|",
+        "| config | load (req/s) | overflow (weighted) | overflow (unweighted) | lost share | KV kept | "
+        "accuracy (measured) | of full cache |", "|---|---|---|---|---|---|---|---|",
         f"| tuned (trial {best.number}) | {bm['load_rps']:.4g} | {bm['overflow']:.4g} | "
-        f"{bm['overflow_unweighted']:.4g} | {bm['lost_share']:.4g} |",
+        f"{bm['overflow_unweighted']:.4g} | {bm['lost_share']:.4g} | {_acc_cells(bm)} |",
         f"| paper default{'' if s['paper_default_trial'] is None else ' (trial %d)' % s['paper_default_trial']} | "
         f"{base['load_rps']:.4g} | {base['overflow']:.4g} | {base['overflow_unweighted']:.4g} | "
-        f"{base['lost_share']:.4g} |", "",
+        f"{base['lost_share']:.4g} | {_acc_cells(base)} |", "",
+        _accuracy_sentence(bm, setup, acc_label), "",
         (f"The tuned configuration sustains {gain * 100:+.1f}% load vs the paper default under the same "
          f"{'simulation' if setup.fast else 'capacity search'} and SLO." if gain is not None else
          "The paper default sustains no load under this SLO."), "",

@@ -101,6 +101,8 @@ class Setup:
     seed: int
     fast: bool
     profile: str | None
+    accuracy_floor: float | None = None  # minimum accuracy relative to the full cache's (measured table)
+    accuracy_table: str | None = None  # the table the accuracy comes from (path), None: not measured
 
     def as_attrs(self) -> dict:
         return dict(self.__dict__)
@@ -124,7 +126,8 @@ def open_study(storage, name: str, setup: Setup, sampler, *, create: bool):
         study.set_user_attr("setup", setup.as_attrs())
         if not study.trials:
             study.enqueue_trial(paper_default_params(), user_attrs={"role": "paper_default"})
-    elif stored is not None and stored != setup.as_attrs():
+    elif stored is not None and any(stored.get(k) != v for k, v in setup.as_attrs().items()):
+        # a key a study created before it existed is stored as missing, which equals its default None
         diff = [f"{k}: stored {stored.get(k)!r} vs now {v!r}" for k, v in setup.as_attrs().items() if stored.get(k) != v]
         raise ConfigError(f"study {name!r} was created with a different setup ({'; '.join(diff)}); "
                           f"resume with the same options or use another --study name")
@@ -137,7 +140,8 @@ def n_complete(study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
 
-def make_objective(evaluator: Evaluator, space: SearchSpace, objective: str, bound: float):
+def make_objective(evaluator: Evaluator, space: SearchSpace, objective: str, bound: float,
+                   floor: float | None = None):
     """Optuna objective: suggest, reuse an identical completed trial's results if any, else simulate."""
     from optuna.trial import TrialState
 
@@ -156,6 +160,9 @@ def make_objective(evaluator: Evaluator, space: SearchSpace, objective: str, bou
             trial.set_user_attr(k, v)
         if objective == "constrained":
             trial.set_constraint("overflow", metrics["overflow"] - bound)  # feasible when <= 0
+        if floor is not None:  # not measured counts as infeasible
+            rel = metrics.get("accuracy_rel")
+            trial.set_constraint("accuracy", floor - rel if rel is not None else 1.0)
         if objective == "pareto":
             return metrics["load_rps"], metrics["overflow"]
         return metrics["load_rps"]
@@ -179,7 +186,8 @@ def run_worker(study, evaluator: Evaluator, space: SearchSpace, setup: Setup, n_
     while budget > 0 and n_complete(study) < n_trials:
         before = len(study.trials)
         try:
-            study.optimize(make_objective(evaluator, space, setup.objective, setup.overflow_bound),
+            study.optimize(make_objective(evaluator, space, setup.objective, setup.overflow_bound,
+                                          setup.accuracy_floor),
                            n_trials=budget, callbacks=cbs, catch=())
             return
         except ValueError as e:
@@ -207,16 +215,30 @@ def fail_stale(study) -> list[int]:
     return sorted(before - after)
 
 
+def meets_accuracy(t, floor: float | None) -> bool:
+    rel = t.user_attrs.get("accuracy_rel")
+    return floor is None or (rel is not None and rel >= floor - 1e-12)
+
+
 def choose_best(study, setup: Setup):
     """Highest sustained load among completed trials with overflow <= bound (ties: lower overflow).
 
-    Pareto studies pick from the Pareto front; if no trial meets the bound, the lowest-overflow one wins.
+    Pareto studies pick from the Pareto front; if no trial meets the bound, the lowest-overflow one wins. With an
+    accuracy floor only trials whose measured accuracy meets it qualify (Pareto: from every completed trial, since
+    the front is over load and overflow); if none does, the most accurate trial wins.
     """
     from optuna.trial import TrialState
 
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
     if not done:
         raise ConfigError(f"study {study.study_name!r} has no completed trial")
+    floor = setup.accuracy_floor
+    if floor is not None:
+        good = [t for t in done if meets_accuracy(t, floor)]
+        if not good:
+            return max(done, key=lambda t: (t.user_attrs.get("accuracy_rel") or -1.0, t.user_attrs["load_rps"]))
+        ok = [t for t in good if t.user_attrs["overflow"] <= setup.overflow_bound] or good
+        return max(ok, key=lambda t: (t.user_attrs["load_rps"], -t.user_attrs["overflow"], -t.number))
     pool = study.best_trials if setup.objective == "pareto" else done
     ok = [t for t in pool if t.user_attrs["overflow"] <= setup.overflow_bound]
     if not ok:
@@ -234,6 +256,8 @@ def best_config_dict(params: dict, space: SearchSpace, setup: Setup, tables) -> 
         d["trace"] = setup.trace
     if setup.profile:
         d["profile"] = setup.profile
+    if setup.accuracy_table:
+        d["accuracy_table"] = setup.accuracy_table
     if tables not in ("auto", None):
         d["tables"] = str(tables)
     elif tables is None:

@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--box-layers", default="2,15,27")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("-o", "--out", default="reports/fidelity")
+    p.add_argument("-o", "--out", default="reports/fidelity/agreement")
     return p
 
 

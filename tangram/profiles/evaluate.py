@@ -1,0 +1,577 @@
+"""Accuracy harness: every serving mode on the same generated samples, through the real model, sharing what is exact.
+
+What one sample costs, and what is shared (``evaluate_sample``):
+
+1. The first prefill chunk (``chunk`` tokens, the engine's chunk size) runs once, uncompressed, with every
+   scorer attached as an observer: no mode has compressed anything yet, so its keys, values, logits and every
+   scorer's scores are those of every mode. With the report's context lengths the whole first-turn prompt is
+   one chunk, so the whole prefill is shared.
+2. Each mode then selects its kept tokens from its scorer's scores of that chunk (a mask; evicted tokens stay
+   in memory but are masked out, exactly as :class:`tangram.engine.model.TorchAttention` does).
+3. Everything after that depends on the mode and is recomputed per mode, with the modes as batch rows (rows of
+   one scorer share a batch, ``batch`` rows at a time): later prompt chunks (they attend to a compressed
+   cache, so their keys/values and scores differ), follow-up turns (their question chunk is compressed too,
+   as the engine compresses every prefill chunk), the answer tokens and the KL continuation. Decoded tokens
+   are never compressed.
+
+Answers are scored by teacher forcing: the gold answer tokens are fed after the prompt and the row is correct
+when the greedy (argmax) prediction at every answer position equals the gold token and the prediction after
+the answer does not continue the word (a digit or letter). That is exactly "greedy decoding starts with the
+gold tokens, then a word boundary"; it differs from free decoding only when greedy emits the same text in a
+non-canonical tokenization (digits are one token each in SmolLM2's vocabulary; the report counts how often
+free decoding of the full cache disagrees). The first answer token of a one-chunk prompt comes from the
+prefill logits, before compression, so it is the full cache's for every mode (as in the engine).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tangram.budgets import BudgetProfile, calibrate
+from tangram.engine.model import TorchAttention
+from tangram.errors import ConfigError
+from tangram.profiles.scoring import budget_tokens, global_topk_mask, make_scorer, per_head_topk_mask
+
+SCOPES = ("per-layer", "cross-layer", "uniform")
+POLICIES = ("full", "uniform", "dynamic", "tangram")
+_MASK_BUDGET = 1 << 26  # elements of one attention-score block (256 MB in float32)
+
+
+# --------------------------------------------------------------------------- selection at a budget scope
+
+
+def crosslayer_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
+    """Cross-layer dynamic selection: top-ceil(rho * L * H * T) over every layer's and head's keys. [L, H, T]."""
+    n = scores.numel()
+    k = int(min(n, max(1, math.ceil(rho * n - 1e-9))))
+    order = torch.argsort(scores.reshape(-1), descending=True, stable=True)
+    mask = torch.zeros(n, dtype=torch.bool, device=scores.device)
+    mask[order[:k]] = True
+    return mask.reshape(scores.shape)
+
+
+def scope_mask(scores: torch.Tensor, rho: float, scope: str) -> torch.Tensor:
+    """A compression method's own (dynamic) selection at a budget scope; scores [L, H, T]."""
+    if scope == "per-layer":  # Ada-KV: each layer keeps rho of its tokens, spread over its heads by score
+        return global_topk_mask(scores, rho)
+    if scope == "cross-layer":
+        return crosslayer_topk_mask(scores, rho)
+    if scope == "uniform":
+        return per_head_topk_mask(scores, rho)
+    raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
+
+
+@dataclass
+class Mode:
+    """One row of the evaluation: a selection policy, its scorer and scope, at a target ratio."""
+
+    policy: str  # full | uniform | dynamic | tangram
+    scorer: str | None = None
+    scope: str | None = None
+    rho: float = 1.0  # the target ratio (the table column)
+    alpha: float | None = None  # tangram: safety margin of eq. 5
+    budgets: np.ndarray | None = field(default=None, repr=False)  # tangram: B(alpha) [L, H]
+    match: np.ndarray | None = field(default=None, repr=False)  # control: keep as many tokens as these budgets
+    match_label: str | None = None  # e.g. "tangram a=2" (the row this control is memory-matched to)
+    profile: str | None = None
+
+    @property
+    def key(self) -> str:
+        a = "" if self.alpha is None else f"a={self.alpha:g}"
+        m = "" if self.match_label is None else f"kv={self.match_label}"
+        return "|".join([self.policy, self.scorer or "-", self.scope or "-", f"{self.rho:g}", a, m])
+
+    def keep_ratio(self, L: int, H: int, T: int) -> float:
+        """Share of a T-token chunk's head-tokens the mode keeps (exact for static budgets and controls)."""
+        if self.policy == "full":
+            return 1.0
+        if self.policy == "tangram":
+            return float(budget_tokens(self.budgets, T).sum()) / (L * H * T)
+        if self.match is not None:
+            return float(budget_tokens(self.match, T).sum()) / (L * H * T)
+        return self.rho
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """Keep mask [L, H, T] of one chunk from its scores [L, H, T]; None keeps everything."""
+        if self.policy == "full":
+            return None
+        if self.policy == "tangram":
+            return per_head_topk_mask(scores, self.budgets)
+        L, H, T = scores.shape
+        r = self.keep_ratio(L, H, T)
+        if self.policy == "uniform":
+            return per_head_topk_mask(scores, r)
+        return scope_mask(scores, r, self.scope)
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def profile_scope(prof: BudgetProfile, path: str | Path | None = None) -> str:
+    """A profile's budget scope: its provenance's ``scope``, else a scope named in its file name, else per-layer
+    (the profiles shipped before scopes existed are per-layer)."""
+    sc = prof.provenance.get("scope") or prof.provenance.get("budget_scope")
+    if sc:
+        return str(sc).replace("_", "-")
+    name = Path(path).name if path else ""
+    for s in ("cross-layer", "per-layer", "crosslayer", "perlayer"):
+        if s in name:
+            return {"crosslayer": "cross-layer", "perlayer": "per-layer"}.get(s, s)
+    return "per-layer"
+
+
+class ProfileStore:
+    """Budget profiles found in folders, indexed by (method, scope, rho); scope from provenance, else per-layer."""
+
+    def __init__(self, model: str, dirs: list[str | Path]):
+        self.model, self.dirs = model, [Path(d) for d in dirs]
+        self.index: dict[tuple[str, str, float], tuple[str, BudgetProfile]] = {}
+        for d in self.dirs:
+            if not d.is_dir():
+                continue
+            for p in sorted(list(d.glob("*.npz")) + list(d.glob("*.json"))):
+                try:
+                    prof = BudgetProfile.load(p)
+                except Exception:  # noqa: BLE001 - other data files live in the same folder
+                    continue
+                if prof.model != model:
+                    continue
+                key = (prof.method, profile_scope(prof, p), round(float(prof.rho), 6))
+                self.index.setdefault(key, (str(p), prof))
+
+    def get(self, method: str, scope: str, rho: float) -> tuple[str, BudgetProfile] | None:
+        return self.index.get((method, scope, round(float(rho), 6)))
+
+
+def build_modes(L: int, H: int, scorers: list[str], scopes: list[str], rhos: list[float], alphas: list[float],
+                profiles: ProfileStore, matched: bool = True) -> tuple[list[Mode], list[str]]:
+    """The full cache, then per scorer and ratio: uniform, and per non-uniform scope the method's own dynamic
+    selection, tangram's static budgets per alpha, and (``matched``) the dynamic and uniform selections at
+    tangram's kept share. Returns (modes, notes about profiles that were not found)."""
+    modes, notes = [Mode("full")], []
+    for s in scorers:
+        for r in rhos:
+            if "uniform" in scopes:
+                modes.append(Mode("uniform", s, "uniform", r))
+            for scope in (x for x in scopes if x != "uniform"):
+                modes.append(Mode("dynamic", s, scope, r))
+                found = profiles.get(s, scope, r)
+                if found is None:
+                    notes.append(f"no {s} {scope} profile at rho={r:g}: tangram rows skipped")
+                    continue
+                path, prof = found
+                prof.check_model(L, H, profiles.model)
+                for a in alphas:
+                    B = prof.with_alpha(a).B
+                    modes.append(Mode("tangram", s, scope, r, alpha=a, budgets=B, profile=path))
+                    if matched and a > 0:  # at alpha = 0 tangram keeps about rho: dynamic@rho is its control
+                        lab = f"tangram a={a:g}"
+                        modes.append(Mode("dynamic", s, scope, r, match=B, match_label=lab))
+                        if "uniform" in scopes:
+                            modes.append(Mode("uniform", s, "uniform", r, match=B, match_label=f"{lab} {scope}"))
+    return modes, notes
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class EvalAttention(TorchAttention):
+    """:class:`TorchAttention` with the same cache and keep-mask semantics and faster CPU attention: the first
+    chunk of an empty cache uses causal SDPA (no mask tensor), later calls an additive mask in query blocks, both
+    with SDPA's grouped-query path instead of repeating K/V. Tested equal to TorchAttention."""
+
+    @classmethod
+    def fork(cls, base: TorchAttention, rows: int, observers=None) -> "EvalAttention":
+        """``rows`` copies of a batch-1 cache (K/V shared as expanded views until the next append)."""
+        nb = cls(base.cfg, observers=observers)
+        for l in range(base.cfg.num_layers):
+            if base.k[l] is None:
+                continue
+            nb.k[l] = base.k[l].expand(rows, -1, -1, -1)
+            nb.v[l] = base.v[l].expand(rows, -1, -1, -1)
+            nb.keep[l] = base.keep[l].expand(rows, -1, -1).clone()
+        nb.pos = None if base.pos is None else base.pos.clone()
+        return nb
+
+    def __call__(self, layer_idx, q, k, v, ctx):
+        B, Hkv, T, D = k.shape
+        if self.k[layer_idx] is None:
+            self.k[layer_idx], self.v[layer_idx] = k, v
+            self.keep[layer_idx] = torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)
+        else:
+            self.k[layer_idx] = torch.cat([self.k[layer_idx], k], dim=2)
+            self.v[layer_idx] = torch.cat([self.v[layer_idx], v], dim=2)
+            self.keep[layer_idx] = torch.cat(
+                [self.keep[layer_idx], torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)], dim=2)
+        if layer_idx == 0:
+            self.pos = ctx.input_pos.clone() if self.pos is None else torch.cat([self.pos, ctx.input_pos])
+        K, V, keep = self.k[layer_idx], self.v[layer_idx], self.keep[layer_idx]
+        N = K.shape[2]
+        scale = 1.0 / math.sqrt(D)
+        if self.observers:
+            from tangram.engine.model import AttnEvent
+            ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale)
+            for obs in self.observers:
+                obs(ev)
+        if N == T:  # empty cache before this call: plain causal attention over the new tokens
+            return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
+        g = q.shape[1] // Hkv
+        Hq = q.shape[1]
+        step = max(1, _MASK_BUDGET // max(1, B * Hq * N))
+        outs = []
+        for a in range(0, T, step):
+            qp = ctx.input_pos[a:a + step]
+            allowed = keep[:, :, None, :] & (self.pos[None, None, None, :] <= qp[None, None, :, None])
+            bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+            bias = bias.repeat_interleave(g, dim=1)
+            outs.append(F.scaled_dot_product_attention(q[:, :, a:a + step], K, V, attn_mask=bias, scale=scale,
+                                                       enable_gqa=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _forward(model, backend: TorchAttention, ids: list[int], rows: int, last_only: bool) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.long)[None].expand(rows, -1)
+    n0 = backend.length
+    pos = torch.arange(n0, n0 + len(ids))
+    return model(t, pos, backend, last_only=last_only)  # [rows, T or 1, V]
+
+
+def word_continuation_mask(tok, vocab: int) -> torch.Tensor:
+    """[V] bool: tokens whose text starts with a letter or digit (they would extend the answer's last word)."""
+    out = torch.zeros(vocab, dtype=torch.bool)
+    for i in range(min(vocab, tok.vocab_size)):
+        s = tok.decode([i])
+        out[i] = bool(s) and s[0].isalnum()
+    return out
+
+
+def _groups(modes: list[Mode], batch: int) -> list[list[int]]:
+    """Row groups: the full cache alone first (its outputs are the KL reference), then per scorer in batches."""
+    out = [[i for i, m in enumerate(modes) if m.policy == "full"]]
+    by: dict[str, list[int]] = {}
+    for i, m in enumerate(modes):
+        if m.policy != "full":
+            by.setdefault(m.scorer, []).append(i)
+    for idx in by.values():
+        out += [idx[a:a + batch] for a in range(0, len(idx), batch)]
+    return [g for g in out if g]
+
+
+@dataclass
+class SampleResult:
+    correct: np.ndarray  # [modes, turns] bool
+    first_wrong: np.ndarray  # [modes, turns] index of the first wrong answer position (-1: none)
+    kept: np.ndarray  # [modes] kept share of the compressed prompt tokens (first turn)
+    kl: np.ndarray | None = None  # [modes] mean KL(full || mode) over the continuation
+    top1: np.ndarray | None = None  # [modes] share of continuation positions whose argmax equals full's
+    free: dict | None = None  # full cache, first turn: free greedy decoding checks
+    seconds: float = 0.0
+
+
+@torch.no_grad()
+def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[int] | None]], *, chunk: int,
+                    batch: int = 16, window: int | None = None, eos: int | None = None,
+                    continues: torch.Tensor | None = None, continuation: list[int] | None = None,
+                    free_check: tuple[int, callable] | None = None) -> SampleResult:
+    """All modes on one sample. ``turns``: (prompt ids, gold answer ids) per turn (answer None for a KL text);
+    ``continuation``: ids scored by KL after the last prompt. ``free_check``: (max new tokens, decode fn) to also
+    decode the full cache's first answer freely."""
+    t0 = time.time()
+    cfg = model.cfg
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    M, nT = len(modes), len(turns)
+    correct = np.zeros((M, nT), dtype=bool)
+    first_wrong = np.full((M, nT), -1, dtype=np.int64)
+    kept = np.ones(M)
+    kl = np.zeros(M) if continuation is not None else None
+    top1 = np.ones(M) if continuation is not None else None
+    free = None
+    scorer_names = sorted({m.scorer for m in modes if m.scorer})
+    base_sc = {s: make_scorer(s, L, window) for s in scorer_names}
+    base = EvalAttention(cfg, observers=list(base_sc.values()))
+    prompt0 = turns[0][0]
+    c0 = prompt0[:chunk]
+    logits0 = _forward(model, base, c0, 1, True)[:, -1]  # [1, V]
+    scores0 = {s: sc.take() for s, sc in base_sc.items()}  # [L, 1, H, T]
+    base.observers = []
+    if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
+            and int(logits0[0].argmax()) != turns[0][1][0]):
+        # one chunk, one question: the first answer token comes from the shared prefill logits for every mode,
+        # and it is wrong, so every mode is wrong (kept shares are not measured for this sample)
+        if free_check is not None:
+            free = _free_decode(model, base, logits0, turns[0][1], free_check, eos)
+        first_wrong[:] = 0
+        return SampleResult(correct, first_wrong, np.full(M, np.nan), None, None, free, time.time() - t0)
+    full_logp = None
+    for idx in _groups(modes, batch):
+        ms = [modes[i] for i in idx]
+        B = len(ms)
+        sname = ms[0].scorer
+        scorer = make_scorer(sname, L, window) if sname else None
+        br = EvalAttention.fork(base, B, observers=[scorer] if scorer else [])
+        kept_tok = np.zeros(B)
+        kept_den = [0]
+
+        def compress(start: int, sc: torch.Tensor, count: bool) -> None:
+            T = sc.shape[-1]
+            masks = []
+            for b, m in enumerate(ms):
+                mk = m.select(sc[:, b if sc.shape[1] > 1 else 0])
+                masks.append(torch.ones(L, H, T, dtype=torch.bool) if mk is None else mk)
+            mk = torch.stack(masks, dim=1)  # [L, B, H, T]
+            for l in range(L):
+                br.evict(l, start, mk[l])
+            if count:
+                kept_tok[:] += mk.sum(dim=(0, 2, 3)).numpy() / (L * H)
+                kept_den[0] += T
+
+        if scorer is not None:
+            compress(0, scores0[sname], True)
+        else:
+            kept_den[0] += len(c0)
+            kept_tok[:] += len(c0)
+        lg = logits0.expand(B, -1)
+
+        def prefill(ids: list[int], count: bool):
+            nonlocal lg
+            for a in range(0, len(ids), chunk):
+                piece = ids[a:a + chunk]
+                start = br.length
+                lg = _forward(model, br, piece, B, True)[:, -1]
+                if scorer is not None and len(piece) >= scorer.min_tokens:
+                    compress(start, scorer.take(), count)
+                elif count:
+                    kept_tok[:] += len(piece)
+                    kept_den[0] += len(piece)
+
+        prefill(prompt0[chunk:], True)
+        for t, (prompt, ans) in enumerate(turns):
+            if t > 0:
+                prefill(prompt, False)
+            if ans is None:
+                continue
+            if scorer is not None:
+                scorer.enabled = False
+            if free_check is not None and t == 0 and ms[0].policy == "full":
+                free = _free_decode(model, br, lg, ans, free_check, eos)
+            feed = list(ans) + ([eos] if t < nT - 1 and eos is not None else [])
+            lgA = _forward(model, br, feed, B, False)  # [B, len(feed), V]
+            n = len(ans)
+            preds = torch.cat([lg.argmax(-1)[:, None], lgA[:, :n].argmax(-1)], dim=1)  # [B, n + 1]
+            hit = preds[:, :n] == torch.as_tensor(ans)[None]
+            ok = hit.all(dim=1)
+            if continues is not None:
+                ok &= ~continues[preds[:, n]]
+            wrong = torch.where(hit.all(dim=1), torch.full((B,), n), (~hit).int().argmax(dim=1))
+            for b, i in enumerate(idx):
+                correct[i, t] = bool(ok[b])
+                first_wrong[i, t] = -1 if bool(ok[b]) else int(wrong[b])
+            lg = lgA[:, -1]
+            if scorer is not None:
+                scorer.enabled = True
+        if continuation is not None:
+            if scorer is not None:
+                scorer.enabled = False
+            lp = torch.log_softmax(_forward(model, br, continuation, B, False).float(), dim=-1)  # [B, K, V]
+            if full_logp is None:
+                if ms[0].policy != "full":
+                    raise RuntimeError("the full cache must be evaluated first")
+                full_logp = lp[0]
+            p = full_logp.exp()
+            d = (p[None] * (full_logp[None] - lp)).sum(-1)  # [B, K]
+            agree = (lp.argmax(-1) == full_logp.argmax(-1)[None]).float()
+            for b, i in enumerate(idx):
+                kl[i] = float(d[b].mean())
+                top1[i] = float(agree[b].mean())
+        for b, i in enumerate(idx):
+            kept[i] = kept_tok[b] / max(kept_den[0], 1)
+    return SampleResult(correct, first_wrong, kept, kl, top1, free, time.time() - t0)
+
+
+def _free_decode(model, br: TorchAttention, lg: torch.Tensor, ans: list[int], check, eos) -> dict:
+    """Free greedy decoding of the full cache's answer (batch 1), rolled back afterwards."""
+    max_new, decode = check
+    n0 = br.length
+    out, logits = [], lg[0]
+    for _ in range(max_new):
+        t = int(logits.argmax())
+        out.append(t)
+        if t == eos:
+            break
+        logits = _forward(model, br, [t], 1, True)[0, -1]
+    br.truncate(n0)
+    text = decode(out)
+    gold = decode(ans).strip()
+    s = text.strip()
+    prefix = s.startswith(gold) and not (len(s) > len(gold) and s[len(gold)].isalnum())
+    return {"text": text, "prefix": bool(prefix), "contains": gold.lower() in text.lower(),
+            "tokens_equal": out[:len(ans)] == list(ans)}
+
+
+# --------------------------------------------------------------------------- calibration of missing profiles
+
+
+@torch.no_grad()
+def retention_of_prompt(model, ids: list[int], needs: dict[str, set[str]], rhos: list[float], chunk: int,
+                        window: int | None = None) -> dict[tuple[str, str, float], np.ndarray]:
+    """Per-head retention [chunks, L, H] of each scorer's dynamic selection at each scope and ratio, on the
+    uncompressed model (as ``tangram-profile`` calibrates); only chunks of the prompt's largest size count."""
+    L = model.cfg.num_layers
+    sc = {s: make_scorer(s, L, window) for s in needs}
+    be = EvalAttention(model.cfg, observers=list(sc.values()))
+    chunks: dict[str, list[torch.Tensor]] = {s: [] for s in needs}
+    for a in range(0, len(ids), chunk):
+        _forward(model, be, ids[a:a + chunk], 1, True)
+        for s in needs:
+            chunks[s].append(sc[s].take()[:, 0])
+    out = {}
+    for s, scopes in needs.items():
+        full = max(x.shape[-1] for x in chunks[s])
+        use = [x for x in chunks[s] if x.shape[-1] == full]
+        for scope in scopes:
+            for r in rhos:
+                out[(s, scope, r)] = np.stack([scope_mask(x, r, scope).sum(-1).double().numpy() / full for x in use])
+    return out
+
+
+def write_profiles(samples: dict[tuple[str, str, float], list[np.ndarray]], alpha: float, model: str,
+                   out_dir: Path, provenance: dict) -> list[str]:
+    """Fit eq. 5 on the collected retention samples and save one profile per (scorer, scope, rho)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for (s, scope, r), parts in sorted(samples.items()):
+        arr = np.concatenate(parts)
+        prof = calibrate(arr, alpha, rho=r, method=s, model=model,
+                         provenance=dict(provenance, method=s, scope=scope, retention_samples=int(arr.shape[0])))
+        p = out_dir / f"{model}_{s}_{scope}_rho{r:g}.npz"
+        prof.save(p)
+        written.append(str(p))
+    return written
+
+
+# --------------------------------------------------------------------------- worker pool
+
+_W: dict = {}
+
+
+def init_worker(model_name: str, weights: str, threads: int, modes: list[Mode], opts: dict) -> None:
+    """Load the model and tokenizer once per process (``torch.set_num_threads(threads)``)."""
+    torch.set_num_threads(max(1, threads))
+    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.engine.weights import load_model
+    from tangram.engine.weights import build_model
+    model, info = load_model(model_name, weights)
+    model.eval()
+    tok = load_tokenizer(info.get("gguf_path"))
+    dtype = opts.get("dtype", "float32")
+    task_model = model if dtype == "float32" else build_model(model.cfg, model.state_dict(), getattr(torch, dtype))
+    _W.update(model=model, task_model=task_model, tok=tok, modes=modes, opts=opts, info=info,
+              continues=word_continuation_mask(tok, model.cfg.vocab), loaded=(model_name, weights, dtype))
+
+
+def prompt_ids(tok, sample, turn: int) -> list[int]:
+    """Turn 0: chat template with the context and first question, generation prompt, answer prefix. Later
+    turns: the next user message and assistant header after the previous answer's end-of-turn token."""
+    q = sample.questions[turn]
+    if turn == 0:
+        return tok.encode(tok.render_chat([{"role": "user", "content": sample.user_message(0)}]) + q.answer_prefix)
+    return tok.encode(f"\n<|im_start|>user\n{q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer_prefix}")
+
+
+def answer_ids(tok, sample, turn: int) -> list[int]:
+    return tok.encode(" " + sample.questions[turn].answer)
+
+
+def build_task_sample(tok, task: str, split: str, index: int, length: int, n_turns: int):
+    from tangram.profiles.tasks import make_task
+    return make_task(task, split, index, length, measure=lambda s: len(prompt_ids(tok, s, 0)), n_turns=n_turns)
+
+
+def run_job(job: tuple) -> dict:
+    """:func:`_run_job` plus the CPU time it took in this process (wall time depends on the machine's load)."""
+    c0 = time.process_time()
+    out = _run_job(job)
+    out["cpu_seconds"] = round(time.process_time() - c0, 3)
+    return out
+
+
+def _run_job(job: tuple) -> dict:
+    """One sample in a worker: ('task'|'curve', task, index, length) | ('kl', index) | ('calib', index).
+
+    Task samples run in ``opts['dtype']`` (the task model); KL and calibration always in float32 (bfloat16
+    logits put a KL noise floor of about 1e-3 nats, as large as the KL at rho = 0.75)."""
+    model, tok, modes, o = _W["model"], _W["tok"], _W["modes"], _W["opts"]
+    kind = job[0]
+    dec = lambda ids: tok.decode(ids, skip_special=True)  # noqa: E731
+    if kind in ("task", "curve"):
+        _, task, index, length = job
+        s = build_task_sample(tok, task, o["split"], index, length, o["turns"])
+        turns = [(prompt_ids(tok, s, t), answer_ids(tok, s, t)) for t in range(len(s.questions))]
+        use = modes[:1] if kind == "curve" else modes
+        r = evaluate_sample(_W["task_model"], use, turns, chunk=o["chunk"], batch=o["batch"], window=o["window"],
+                            eos=tok.eos_id, continues=_W["continues"],
+                            free_check=(len(turns[0][1]) + 4, dec) if o.get("free_check", True) else None)
+        out = {"kind": kind, "task": task, "index": index, "length": length, "prompt_tokens": len(turns[0][0]),
+               "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
+               "seconds": r.seconds, "depth": s.meta.get("depth", s.meta.get("depths"))}
+        if kind == "task" and _W["task_model"] is not model and index < o.get("dtype_check", 0):
+            f = evaluate_sample(model, modes[:1], turns, chunk=o["chunk"], eos=tok.eos_id, continues=_W["continues"])
+            out["full_float32"] = f.correct[0]
+        return out
+    if kind == "kl":
+        from tangram.profiles.tasks import make_text
+        _, index = job
+        s = make_text(o["split"], index, o["kl_context"], o["kl_continuation"], encode=tok.encode, decode=dec)
+        ids, cont = s.meta["context_ids"], s.meta["continuation_ids"]
+        r = evaluate_sample(model, modes, [(ids, None)], chunk=o["chunk"], batch=o["batch"], window=o["window"],
+                            continuation=cont)
+        return {"kind": "kl", "task": "kl_text", "index": index, "prompt_tokens": len(ids), "kl": r.kl,
+                "top1": r.top1, "kept": r.kept, "seconds": r.seconds}
+    if kind == "calib":
+        from tangram.profiles.corpus import make_sample, TASKS as CTASKS
+        from tangram.profiles.retention import prompt_tokens
+        _, index = job
+        smp = make_sample(CTASKS[index % len(CTASKS)], "calib", index // len(CTASKS), o["calib_context"])
+        t0 = time.time()
+        ret = retention_of_prompt(model, prompt_tokens(tok, smp), o["calib_needs"], o["calib_rhos"], o["chunk"],
+                                  o["window"])
+        return {"kind": "calib", "index": index, "retention": ret, "seconds": time.time() - t0}
+    raise ValueError(f"unknown job {job!r}")
+
+
+def run_jobs(jobs: list[tuple], *, workers: int, threads: int, model_name: str, weights: str, modes: list[Mode],
+             opts: dict, desc: str, progress: bool = True):
+    """Run jobs on ``workers`` processes (spawned; each loads the model once), yielding results as they finish."""
+    from tqdm import tqdm
+    bar = tqdm(total=len(jobs), desc=desc, unit="sample", disable=not progress)
+    if workers <= 1:  # in this process; a model already loaded here (same weights and precision) is reused
+        if _W.get("loaded") != (model_name, weights, opts.get("dtype", "float32")):
+            init_worker(model_name, weights, threads, modes, opts)
+        _W["modes"], _W["opts"] = modes, opts
+        for j in jobs:
+            yield run_job(j)
+            bar.update(1)
+        bar.close()
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=init_worker,
+                             initargs=(model_name, weights, threads, modes, opts)) as ex:
+        futs = [ex.submit(run_job, j) for j in jobs]
+        for f in as_completed(futs):
+            yield f.result()
+            bar.update(1)
+    bar.close()
+
+
+__all__ = ["SCOPES", "POLICIES", "Mode", "ProfileStore", "build_modes", "scope_mask", "crosslayer_topk_mask",
+           "EvalAttention", "evaluate_sample", "SampleResult", "prompt_ids", "answer_ids", "build_task_sample",
+           "retention_of_prompt", "write_profiles", "run_jobs", "init_worker", "run_job", "word_continuation_mask"]

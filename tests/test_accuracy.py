@@ -1,0 +1,287 @@
+"""Accuracy tasks, the evaluation harness, confidence intervals, accuracy tables and their use in planning."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from tangram.errors import ConfigError, InputError
+from tangram.profiles import stats
+from tangram.profiles.accuracy import AccuracyModel, AccuracyTable
+from tangram.profiles.tasks import TASKS, doc_lines, doc_split_of, make_task, make_text
+
+# ------------------------------------------------------------------ tasks
+
+
+def _needles(s):
+    return [q.answer for q in s.questions]
+
+
+def test_tasks_are_seeded_and_their_answers_are_in_the_context():
+    for task in TASKS:
+        for i in range(3):
+            a = make_task(task, "heldout", i, 300, n_turns=3)
+            assert a == make_task(task, "heldout", i, 300, n_turns=3)  # replayable
+            for q in a.questions:
+                if task == "vt":  # the chain's first variable holds the value; the others point to it
+                    value = re.search(r"value (\d+)\?", q.text).group(1)
+                    assert f"VAR {q.answer} = {value}." in a.context
+                    assert q.answer_prefix.endswith("VAR") and len(a.meta["chain"]) == 3
+                    for x, y in zip(a.meta["chain"], a.meta["chain"][1:]):
+                        assert f"VAR {y} = VAR {x}." in a.context
+                elif task == "passkey":
+                    assert f"The pass key is {q.answer}." in a.context and len(q.answer) == 5
+                else:  # needle: key and 7-digit value, asked with the key
+                    key = re.search(r"number for (\S+)\?", q.text).group(1)
+                    assert f"One of the special magic numbers for {key} is: {q.answer}." in a.context
+                    assert len(q.answer) == 7 and q.answer_prefix.endswith(f"{key} is")
+        mt = make_task("mt_niah", "heldout", 0, 300, n_turns=3)
+        assert len(mt.questions) == 3 and len(set(_needles(mt))) == 3
+        assert mt.user_message(0).startswith(mt.context) and mt.user_message(1) == mt.questions[1].text
+    multi = make_task("niah_multikey", "heldout", 1, 300)
+    assert multi.context.count("One of the special magic numbers for") == 4
+
+
+def test_splits_share_no_documentation_topic_and_no_needle():
+    from pydoc_data.topics import topics
+    sides = {doc_split_of(t) for t in topics}
+    assert sides == {"calib", "heldout"}
+    held, calib = set(doc_lines("heldout")), set(doc_lines("calib"))
+    assert len(held) > 100 and len(calib) > 100
+    for task in ("passkey", "niah_single"):
+        a = {make_task(task, "calib", i, 200).questions[0].answer for i in range(20)}
+        b = {make_task(task, "heldout", i, 200).questions[0].answer for i in range(20)}
+        assert not a & b
+
+
+def test_length_is_fitted_with_the_measure():
+    measure = lambda s: len(s.context) // 3 + 20  # noqa: E731 - any monotone count
+    for task in ("passkey", "niah_multikey"):
+        s = make_task(task, "heldout", 2, 400, measure=measure)
+        n = s.meta["units"]
+        assert measure(s) <= 400
+        bigger = make_task(task, "heldout", 2, 10_000, measure=measure)
+        assert bigger.meta["units"] > n and _needles(bigger) == _needles(s)  # needles do not depend on length
+    with pytest.raises(ConfigError):
+        make_task("nope", "heldout", 0, 300)
+
+
+def test_text_passages_are_token_exact():
+    enc = lambda t: [ord(c) for c in t]  # noqa: E731 - a character "tokenizer"
+    dec = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    s = make_text("heldout", 3, 50, 7, encode=enc, decode=dec)
+    assert len(s.meta["context_ids"]) == 50 and len(s.meta["continuation_ids"]) == 7
+    assert s.context + s.continuation in "\n".join(doc_lines("heldout") * 2)
+
+
+# ------------------------------------------------------------------ confidence intervals
+
+
+def test_wilson_matches_the_closed_form():
+    for k, n in ((8, 10), (0, 7), (100, 100), (37, 120)):
+        z = 1.959963984540054
+        p = k / n
+        den = 1 + z * z / n
+        c = (p + z * z / (2 * n)) / den
+        h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+        lo, hi = stats.wilson(k, n)
+        assert lo == pytest.approx(max(0.0, c - h), abs=1e-9) and hi == pytest.approx(min(1.0, c + h), abs=1e-9)
+    assert all(math.isnan(x) for x in stats.wilson(0, 0))
+
+
+def test_bootstrap_intervals():
+    assert stats.bootstrap_mean([0.2] * 9) == (0.2, 0.2)
+    rng = np.random.default_rng(7)
+    x = rng.normal(1.0, 1.0, 400)
+    lo, hi = stats.bootstrap_mean(x, seed=1)
+    se = x.std(ddof=1) / math.sqrt(x.size)  # the t interval and the bootstrap agree on a large normal sample
+    assert lo == pytest.approx(x.mean() - 1.96 * se, abs=0.4 * se) and hi == pytest.approx(x.mean() + 1.96 * se,
+                                                                                            abs=0.4 * se)
+    d, dlo, dhi = stats.paired_difference([1, 1, 1, 0], [0, 1, 1, 0])
+    assert d == 0.25 and dlo <= 0.25 <= dhi and dlo >= 0
+    m, mlo, mhi = stats.stratified_mean([[1, 1, 1, 1], [0, 0, 1, 1]])
+    assert m == 0.75 and mlo <= 0.75 <= mhi and mlo >= 0.5  # the all-ones task never resamples below 1
+    assert stats.verdict(0.01, 0.2) == "higher" and stats.verdict(-0.2, 0.1) == "no significant difference"
+
+
+# ------------------------------------------------------------------ accuracy tables
+
+
+def _table(model="m", rows=None) -> AccuracyTable:
+    rows = rows or [
+        {"task": "mean", "metric": "accuracy", "policy": "full", "kv_share": 1.0, "value": 0.9},
+        *({"task": "mean", "metric": "accuracy", "policy": "tangram", "scorer": "s", "scope": "per-layer",
+           "kv_share": x, "value": y} for x, y in ((0.2, 0.3), (0.4, 0.7), (0.7, 0.85))),
+        {"task": "mean", "metric": "accuracy", "policy": "dynamic", "scorer": "s", "scope": "per-layer",
+         "kv_share": 0.4, "value": 0.5},
+        {"task": "mean", "metric": "accuracy", "policy": "dynamic", "scorer": "s", "scope": "per-layer",
+         "kv_share": 0.4, "value": 0.7}]
+    return AccuracyTable(model, rows, {"command": "hand"}, {"t": {}})
+
+
+def test_table_interpolation_is_monotone_exact_at_points_and_refuses_extrapolation(tmp_path):
+    t = AccuracyTable.load(_table().save(tmp_path / "a.json"))  # round trip through the file
+    for x, y in ((0.2, 0.3), (0.4, 0.7), (0.7, 0.85), (1.0, 0.9)):
+        assert t.at(x, "tangram", "s", "per-layer").value == pytest.approx(y)
+    grid = np.linspace(0.2, 1.0, 81)
+    v = [t.at(x, "tangram", "s", "per-layer").value for x in grid]
+    assert all(a <= b + 1e-12 for a, b in zip(v, v[1:]))  # PCHIP keeps monotone data monotone (no overshoot)
+    assert all(0.3 - 1e-12 <= a <= 0.9 + 1e-12 for a in v)
+    e = t.at(0.1, "tangram", "s", "per-layer")
+    assert e.value is None and "below the measured range" in e.source
+    assert t.at(0.195, "tangram", "s", "per-layer").value == pytest.approx(0.3)  # ceil slack: the first point
+    assert t.at(0.55, "tangram", "s", "per-layer").relative == pytest.approx(
+        t.at(0.55, "tangram", "s", "per-layer").value / 0.9)
+    assert t.at(0.4, "dynamic", "s", "per-layer").value == pytest.approx(0.6)  # duplicates are averaged
+    assert t.at(0.5, "tangram", "other", "per-layer").value is None
+
+
+def test_bad_table_file_names_the_field(tmp_path):
+    p = tmp_path / "bad.json"
+    d = _table().to_dict()
+    d["rows"][2]["value"] = "high"
+    p.write_text(json.dumps(d))
+    with pytest.raises(InputError, match=r"rows\[2\]\.value"):
+        AccuracyTable.load(p)
+    p.write_text(json.dumps({"format": "nope"}))
+    with pytest.raises(InputError, match="format"):
+        AccuracyTable.load(p)
+
+
+def test_accuracy_model_says_when_not_measured_and_labels_borrowing(tmp_path):
+    from tangram.budgets import synthetic_profile
+    prof = synthetic_profile(4, 8, 0.25, seed=1)
+    acc, label = AccuracyModel.for_run("no-such-model", prof)
+    assert acc is None and "accuracy not measured for no-such-model" in label
+    path = _table("m").save(tmp_path / "t.json")
+    acc, label = AccuracyModel.for_run("other", prof, str(path))
+    assert acc.borrowed and "borrowed for other" in label and "'synthetic' not in the table" in label
+    e = acc.estimate("tangram", prof, 2.0, 0.25)
+    assert e.kv_share == pytest.approx(prof.B.mean()) and e.value is not None
+    assert acc.estimate("full", prof, 2.0, 0.25).value == pytest.approx(0.9)
+    assert acc.estimate("uniform", prof, 2.0, 0.25).value is None  # no uniform curve in the table
+
+
+# ------------------------------------------------------------------ selection at a scope
+
+
+def _ref_topk(x: np.ndarray, k: int) -> set[int]:
+    return set(np.argsort(-x, kind="stable")[:k].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 20)),
+              elements=st.floats(-4, 4, width=32)), st.floats(0.01, 1.0))
+def test_crosslayer_selection_is_the_global_topk(scores, rho):
+    from tangram.profiles.evaluate import crosslayer_topk_mask
+    m = crosslayer_topk_mask(torch.from_numpy(scores), rho).numpy()
+    k = min(scores.size, max(1, math.ceil(rho * scores.size - 1e-9)))
+    assert set(np.flatnonzero(m.ravel()).tolist()) == _ref_topk(scores.ravel(), k)
+
+
+def test_memory_matched_controls_keep_tangrams_token_count():
+    from tangram.profiles.evaluate import Mode
+    rng = np.random.default_rng(3)
+    L, H, T = 5, 3, 97
+    B = rng.uniform(0.05, 1.0, (L, H))
+    scores = torch.from_numpy(rng.normal(size=(L, H, T)))
+    tang = Mode("tangram", "s", "per-layer", 0.3, alpha=2.0, budgets=B).select(scores)
+    for policy, scope in (("dynamic", "per-layer"), ("dynamic", "cross-layer"), ("uniform", "uniform")):
+        ctrl = Mode(policy, "s", scope, 0.3, match=B, match_label="tangram a=2").select(scores)
+        # equal bytes up to rounding: per layer (per-layer), once (cross-layer) or per head (uniform)
+        assert abs(int(ctrl.sum()) - int(tang.sum())) <= L * H
+    assert int(tang.sum()) == sum(min(T, math.ceil(b * T)) for b in B.ravel())
+
+
+# ------------------------------------------------------------------ the real model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The model as the harness's in-process worker holds it (the in-process CLI run below reuses it)."""
+    from tangram.profiles import evaluate
+    evaluate.init_worker("smollm2-135m", "auto", torch.get_num_threads(), [], {"dtype": "float32"})
+    return evaluate._W["model"], evaluate._W["tok"]
+
+
+def test_eval_backend_equals_the_reference_backend_with_poisoned_evictions(smollm2):
+    from tangram.engine.model import TorchAttention
+    from tangram.profiles.evaluate import EvalAttention, _forward
+    model, _ = smollm2
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 49000, (90,), generator=g).tolist()
+    ref, fast = TorchAttention(model.cfg), EvalAttention(model.cfg)
+    assert torch.allclose(_forward(model, ref, ids[:60], 1, False), _forward(model, fast, ids[:60], 1, False),
+                          atol=1e-4)
+    for l in range(model.cfg.num_layers):
+        keep = torch.rand(1, model.cfg.num_kv_heads, 60, generator=g) < 0.5
+        ref.evict(l, 0, keep)
+        fast.evict(l, 0, keep)
+        fast.k[l] = torch.where(keep[..., None], fast.k[l], torch.full_like(fast.k[l], 1e4))  # poison evicted
+    rows = EvalAttention.fork(fast, 2)
+    a, b = _forward(model, ref, ids[60:], 1, False), _forward(model, rows, ids[60:], 2, False)
+    assert torch.allclose(a[0], b[0], atol=1e-4) and torch.equal(b[0], b[1])
+
+
+def test_full_cache_solves_easy_instances_and_keep_all_modes_equal_it(smollm2):
+    """Short passkey prompts: the full cache answers them; a tangram row whose budgets keep everything is the
+    full cache (same verdicts, KL 0); teacher forcing agrees with free greedy decoding."""
+    from tangram.profiles.evaluate import (Mode, answer_ids, build_task_sample, evaluate_sample, prompt_ids,
+                                           word_continuation_mask)
+    model, tok = smollm2
+    L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+    modes = [Mode("full"), Mode("tangram", "ada-snapkv", "per-layer", 1.0, alpha=0.0, budgets=np.ones((L, H))),
+             Mode("dynamic", "ada-snapkv", "per-layer", 0.05)]
+    cont = word_continuation_mask(tok, model.cfg.vocab)
+    dec = lambda i: tok.decode(i, skip_special=True)  # noqa: E731
+    for i in (0, 2):
+        s = build_task_sample(tok, "passkey", "heldout", i, 256, 2)
+        turns = [(prompt_ids(tok, s, 0), answer_ids(tok, s, 0))]
+        assert tok.decode(turns[0][1]).strip() == s.questions[0].answer
+        r = evaluate_sample(model, modes, turns, chunk=2048, batch=2, eos=tok.eos_id, continues=cont,
+                            free_check=(8, dec))
+        assert r.correct[0, 0] and r.correct[1, 0]
+        assert r.free["prefix"] and r.free["tokens_equal"]
+        assert r.kept[0] == 1.0 and r.kept[1] == 1.0 and r.kept[2] < 0.1
+    from tangram.profiles.tasks import make_text
+    s = make_text("heldout", 0, 64, 6, encode=tok.encode, decode=dec)
+    r = evaluate_sample(model, modes, [(s.meta["context_ids"], None)], chunk=2048,
+                        continuation=s.meta["continuation_ids"])
+    assert r.kl[0] == 0 and r.kl[1] == pytest.approx(0, abs=1e-6) and r.kl[2] > 1e-3
+    assert r.top1[1] == 1.0
+
+
+def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
+    from tangram.profiles.accuracy_report import main
+    out = tmp_path / "acc"
+    argv = ["--samples", "1", "--tasks", "mt_niah=200", "--kl-samples", "1", "--kl-context", "64",
+            "--kl-continuation", "4", "--curve", "200", "--curve-samples", "1", "--scorers", "ada-snapkv",
+            "--scopes", "per-layer,uniform", "--rhos", "0.5", "--calibrate-missing", "0", "--workers", "1",
+            "--dtype", "float32", "--batch", "8", "--no-progress", "-o", str(out)]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    assert len((out / "partial.jsonl").read_text().splitlines()) == 1 + 1 + 1  # fingerprint, 1 task, 1 KL passage
+    assert len((out / "partial_curve.jsonl").read_text().splitlines()) == 1 + 1  # fingerprint, 1 curve sample
+    with pytest.raises(SystemExit):  # a rerun of the same configuration resumes: nothing is recomputed
+        main(argv)
+    assert json.loads((out / "results.json").read_text())["results"]["timings"]["resumed_samples"] == 3
+    t = AccuracyTable.load(out / "accuracy_smollm2-135m.json")
+    assert t.provenance["command"].startswith("tangram-accuracy") and t.full() is not None
+    assert {"tangram", "dynamic", "uniform", "full"} <= {x["policy"] for x in t.rows}
+    assert any(x["metric"] == "kl" for x in t.rows) and all(x["ci_low"] <= x["value"] <= x["ci_high"]
+                                                           for x in t.rows if x["ci_low"] is not None)
+    md = (out / "report.md").read_text()
+    assert "same KV bytes" in md and "[" in md and "Wilson" in md
+    bad = subprocess.run([sys.executable, "-m", "tangram.profiles.accuracy_report", "--scopes", "diagonal", "-o",
+                          str(out)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "diagonal" in bad.stderr
