@@ -161,7 +161,7 @@ def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
 def test_accuracy_floor_picks_a_configuration_that_meets_it(tmp_path, tiny_trace):
     """With a measured accuracy table the trials record accuracy at their kept share, the best configuration
     meets the floor and the report states its accuracy; without a table a floor is refused in one line."""
-    from tangram.sim.run import default_profile
+    from tangram.spec import default_profile
     from tangram.tuning.space import SearchSpace as SS
 
     model = get_model("llama-3.1-8b")

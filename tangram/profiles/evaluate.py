@@ -464,7 +464,7 @@ _W: dict = {}
 def init_worker(model_name: str, weights: str, threads: int, modes: list[Mode], opts: dict) -> None:
     """Load the model and tokenizer once per process (``torch.set_num_threads(threads)``)."""
     torch.set_num_threads(max(1, threads))
-    from tangram.engine.tokenizer import load_tokenizer
+    from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     from tangram.engine.weights import build_model
     model, info = load_model(model_name, weights)
