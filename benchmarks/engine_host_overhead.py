@@ -9,7 +9,7 @@ This runs the real engine (scheduler, executor, ``cuda_graphs="emulate"``) on th
 and head structure (layers, query/KV heads, page tables) but tiny widths, times every decode-only step, and
 subtracts the layer stack (the part a graph replay moves to the GPU), which leaves what a replay cannot hide.
 The result holds for this machine's CPU; the simulator's ``graph_s`` (sim/engine_overhead.py) is fitted on the
-GPU host, and this number is the lower end of the band ``reports/engine/predict_recipes.py`` prices.
+GPU host, and this number is the lower end of the band ``benchmarks/engine_recipes.py`` prices.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ its wall time and CPU time (user + system of the child) side by side with the ma
 2-core dev machine is shared: compare ratios measured in one run, never numbers across runs.
 
 Run: ``python benchmarks/sim_speed.py [--what single,capacity,identity] [--baseline-python OLD/.venv/bin/python]``
-(see reports/traces/README.md for the acceptance commands). The last line of output is one JSON object.
+(reports/traces/run.sh has the acceptance commands). The last line of output is one JSON object.
 """
 from __future__ import annotations
 

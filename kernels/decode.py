@@ -41,7 +41,7 @@ from tangram.kernels._triton import runs_triton, tl, triton
 
 # Integer arguments stay specialised (Triton's default: "== 1" / "divisible by 16"). Marking the step-varying ones
 # do_not_specialize removed the occasional recompile (0.5-1.8 s steps) but cost 27% of engine throughput on the
-# H100 (tangram mode 0.378 vs 0.517 req/s, reports/engine/ab_variants.sh, A vs B). Instead the partial buffers are
+# H100 (tangram mode 0.378 vs 0.517 req/s; reports/engine/README.md, "Earlier results"). Instead the partial buffers are
 # padded (launch_decode) so their strides keep one divisibility class, and the warm-up covers the chunk lengths.
 @triton.jit
 def _decode_split_kernel(

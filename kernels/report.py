@@ -211,7 +211,8 @@ def build(calib: Path, out: Path, extra: list[tuple[str, Path]] = ()) -> Path:
         "# Kernel microbenchmarks (H100)", "",
         f"Device: {meta['gpu_name']}, {meta['sm_count']} SMs, driver {meta['driver']}, torch {meta['torch']}, "
         f"triton {meta['triton']}, FlashInfer {meta.get('flashinfer', 'n/a')}; measured {meta['date']}.",
-        f"Command (on the GPU, one call): `{meta['command']}`; this report: `python -m tangram.kernels.report`.", "",
+        f"Command (on the GPU, one call): `{meta['command']}`; this report: `python -m tangram.kernels.report"
+        + "".join(f" --extra-meta '{lab}={path}'" for lab, path in extra) + "`.", "",
         f"Measured device copy bandwidth: **{meta['copy_gbps']:.0f} GB/s** (bytes read + written, copy of a "
         f"{meta['copy_bytes'] / 2 / 2**30:.0f} GiB buffer, median).",
         f"Decode kernel: block_n={k.get('block_n')}, num_warps={k.get('num_warps')}, num_stages={k.get('num_stages')}"

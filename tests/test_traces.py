@@ -379,3 +379,42 @@ def test_default_trace_is_kv_bound():
     # full KV of all sessions is many times what an 80 GB GPU can hold next to the 16 GB of weights
     assert final.sum() * kv > 4 * GPUS["h100-80gb"].memory_bytes
     assert df.new_tokens.sum() + df.output_tokens.sum() < 5_000_000  # moderate for the simulator
+
+
+def test_gen_sessions_recipe(tmp_path, capsys):
+    """tangram-trace gen-sessions: exactly T turns per session, lengths inside their jitter bands, arrivals within
+    the spread, seeded; it reproduces the trace committed with the engine headline run byte for byte."""
+    from pathlib import Path
+
+    from tangram.traces.cli import main as trace_main
+    from tangram.traces.format import load_trace
+
+    out = tmp_path / "t.jsonl"
+    with pytest.raises(SystemExit) as e:
+        trace_main(["gen-sessions", "--sessions", "5", "--turns", "4", "--first", "1000", "--later", "100",
+                    "--out-tokens", "20", "--spread-s", "2", "--think-s", "0.5", "--seed", "3", "-o", str(out)])
+    assert e.value.code == 0
+    d = load_trace(out).to_frame()
+    assert len(d) == 20 and (d.groupby("session_id").size() == 4).all()
+    first, later = d[d.turn == 0], d[d.turn > 0]
+    assert first.new_tokens.between(750, 1250).all() and later.new_tokens.between(50, 150).all()
+    assert d.output_tokens.between(10, 30).all()
+    assert first.arrival_s.between(0, 2).all() and later.think_time_s.between(0.25, 0.75).all()
+    again = tmp_path / "u.jsonl"
+    with pytest.raises(SystemExit):
+        trace_main(["gen-sessions", "--sessions", "5", "--turns", "4", "--first", "1000", "--later", "100",
+                    "--out-tokens", "20", "--spread-s", "2", "--think-s", "0.5", "--seed", "3", "-o", str(again)])
+    assert again.read_bytes() == out.read_bytes()
+    committed = Path(__file__).resolve().parents[1] / "reports/engine/h100_headline_2026-11-23/tuned/trace.jsonl"
+    if committed.exists():  # written by the script this subcommand replaced
+        with pytest.raises(SystemExit):
+            trace_main(["gen-sessions", "--sessions", "4", "--turns", "6", "--first", "20000", "--out-tokens", "64",
+                        "--spread-s", "0.5", "--think-s", "0.1", "--seed", "0", "-o", str(again)])
+        assert again.read_bytes() == committed.read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        trace_main(["gen-sessions", "--sessions", "0", "-o", str(again)])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    with pytest.raises(SystemExit) as e:
+        trace_main(["gen-sessions", "--sessions", "2", "--spread-s", "-1", "-o", str(again)])
+    assert e.value.code == 2

@@ -127,3 +127,80 @@ def test_validate_prices_with_the_probe_and_keeps_the_shipped_prediction(tmp_pat
     assert s["probe"]["device"]["name"] == "slow test GPU"
     sc = s["tables_provenance"][-1]["scales"]["gemm"]
     assert all(r == pytest.approx(1.5) for v in sc.values() for r in v["time_ratio"])
+
+
+def _call(d, runs):
+    """A tangram-validate output folder holding only what --pool reads: per config, the prediction and the runs."""
+    d.mkdir()
+    (d / "validation.json").write_text(json.dumps({"runs": {
+        name: {"predicted": {"throughput_rps": pred},
+               "measured": [{"throughput_rps": m, "triton_compiles_in_run": {"seconds": cs}} for m, cs in meas]}
+        for name, (pred, meas) in runs.items()}}))
+    return str(d)
+
+
+def test_pool_runs_of_several_calls(tmp_path, capsys):
+    # two calls of the same three configs; c's run in the second call compiled a kernel inside its timed loop
+    d1 = _call(tmp_path / "call_a", {"a": (3.0, [(2.8, 0.0)]), "b": (2.0, [(2.2, 0.0)]), "c": (1.0, [(0.8, 0.0)])})
+    d2 = _call(tmp_path / "call_b", {"a": (3.0, [(3.0, 0.0)]), "b": (2.0, [(2.0, 0.0), (2.1, 0.0)]),
+                                     "c": (1.0, [(0.5, 0.9)])})
+    out = tmp_path / "pooled.md"
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", d1, d2, "--out", str(out)])
+    assert e.value.code == 0
+    text = out.read_text()
+    # by hand: means a (2.8 + 3.0) / 2 = 2.9, b (2.2 + 2.0 + 2.1) / 3 = 2.1, c (0.8 + 0.5) / 2 = 0.65; errors
+    # (pred - mean) / mean = +3.4%, -4.8%, +53.8%; predictions and means rank alike: tau 1
+    assert "| a | 3.000 | 2.900 | 2 | 2.800 | 3.000 | +3.4% |" in text
+    assert "| b | 2.000 | 2.100 | 3 | 2.000 | 2.200 | -4.8% |" in text
+    assert "| c | 1.000 | 0.650 | 2 | 0.500 | 0.800 | +53.8% |" in text
+    assert "Kendall tau = 1.000; largest |error| 53.8% (outside 10%)" in text
+    # without the compiling run, c is its first call's 0.8: (1 - 0.8) / 0.8 = +25.0%
+    no_compile = text.split("## Runs without Triton compiles")[1].split("## Per call")[0]
+    assert "| c | 1.000 | 0.800 | 1 | 0.800 | 0.800 | +25.0% |" in no_compile
+    # each call on its own: a measured 2.8 in the first, (3 - 2.8) / 2.8 = +7.1%
+    assert "| a | 3.000 | 2.800 (+7.1%) | 3.000 (+0.0%) |" in text
+    assert "Command: `tangram-validate --pool" in text
+    assert text.count("| call_b |") == 4  # every run listed once
+
+
+def test_pool_kendall_tau_counts_discordant_pairs(tmp_path):
+    # predictions 3 > 2 > 1, means 2.0 < 2.5 > 1.0: pairs (a,b) discordant, (a,c) and (b,c) concordant, so
+    # tau = (2 - 1) / 3; the per-config error of a is (3 - 2) / 2 = +50.0%
+    d = _call(tmp_path / "v", {"a": (3.0, [(2.0, 0.0)]), "b": (2.0, [(2.5, 0.0)]), "c": (1.0, [(1.0, 0.0)])})
+    from tangram.tuning.pooling import pool_report
+
+    text, numbers = pool_report([d])
+    assert numbers["all"]["kendall_tau_throughput"] == pytest.approx(1 / 3)
+    assert numbers["all"]["configs"]["a"]["relerr"] == pytest.approx(0.5)
+    assert "## Per call" not in text
+
+
+def test_pool_refuses_folders_that_disagree_or_are_missing(tmp_path, capsys):
+    d1 = _call(tmp_path / "x", {"a": (3.0, [(2.8, 0.0)]), "b": (1.0, [(1.0, 0.0)])})
+    d2 = _call(tmp_path / "y", {"a": (2.5, [(2.8, 0.0)]), "b": (1.0, [(1.0, 0.0)])})
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", d1, d2, "--out", str(tmp_path / "p.md")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "y/validation.json" in err and "predicted 2.5 here but 3.0" in err
+    # --predicted-from prices both calls with x's predictions: then they pool
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", d1, d2, "--predicted-from", d1, "--out", str(tmp_path / "p.md")])
+    assert e.value.code == 0 and "| a | 3.000 | 2.800 | 2 |" in (tmp_path / "p.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", str(tmp_path / "nowhere"), "--out", str(tmp_path / "p.md")])
+    assert e.value.code == 2 and "nowhere/validation.json: not found" in capsys.readouterr().err
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "validation.json").write_text(json.dumps({"runs": {"a": {"predicted": {"throughput_rps": 1},
+                                                                               "measured": [{"tps": 1}]}}}))
+    with pytest.raises(SystemExit) as e:
+        main(["--pool", str(tmp_path / "z")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "runs.a.measured[0].throughput_rps: missing" in err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "some.json"), "--pool", d1])
+    assert e.value.code == 2 and "give no CONFIG" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "some.json")])
+    assert e.value.code == 2 and "--trace is required" in capsys.readouterr().err

@@ -37,6 +37,18 @@ def _positive_float(name: str):
     return conv
 
 
+def _nonnegative_float(name: str):
+    def conv(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+        if not (math.isfinite(v) and v >= 0):
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {s!r}")
+        return v
+    return conv
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -81,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--followup-tokens", default=DEFAULTS["followup_tokens"],
                    help="new tokens of a follow-up question (turn > 0) and of the first question")
     g.add_argument("--mix", type=_mix, default=DEFAULT_MIX, help="SHORT:MID:LONG weights for --category mixed")
+
+    f = sub.add_parser("gen-sessions", help="generate N sessions of exactly T turns, lengths jittered uniformly "
+                                            "around given means (engine benchmark recipes)")
+    f.add_argument("--sessions", type=_positive_int, required=True)
+    f.add_argument("--turns", type=_positive_int, default=3, help="turns per session (default 3)")
+    f.add_argument("--first", type=_positive_int, default=8000,
+                   help="mean new tokens of a first turn, drawn x U(0.75, 1.25) (default 8000)")
+    f.add_argument("--later", type=_positive_int, default=256,
+                   help="mean new tokens of a later turn, drawn x U(0.5, 1.5) (default 256)")
+    f.add_argument("--out-tokens", type=_positive_int, default=128,
+                   help="mean output tokens per turn, drawn x U(0.5, 1.5) (default 128)")
+    f.add_argument("--spread-s", type=_nonnegative_float("--spread-s"), default=4.0,
+                   help="sessions arrive uniformly within this many seconds (default 4)")
+    f.add_argument("--think-s", type=_nonnegative_float("--think-s"), default=1.0,
+                   help="mean think time before a later turn, drawn x U(0.5, 1.5) (default 1)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("-o", "--output", required=True)
 
     m = sub.add_parser("gen-mooncake", help="generate a seeded raw trace in Mooncake's format "
                                             "(statistics of its public conversation trace)")
@@ -169,6 +198,16 @@ def _cmd_gen(a) -> int:
     return 0
 
 
+def _cmd_gen_sessions(a) -> int:
+    from .generate import fixed_sessions
+
+    t = fixed_sessions(a.sessions, turns=a.turns, first=a.first, later=a.later, out_tokens=a.out_tokens,
+                       spread_s=a.spread_s, think_s=a.think_s, seed=a.seed)
+    save_trace(t, a.output)
+    print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions")
+    return 0
+
+
 def _cmd_gen_mooncake(a) -> int:
     from .mooncake_gen import generate_mooncake, truth_records, write_mooncake
 
@@ -244,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         a.max_context = _max_context(a)  # an unknown --model fails before any work
         a.model = None
     try:
-        return {"check": _cmd_check, "gen": _cmd_gen, "gen-mooncake": _cmd_gen_mooncake, "import": _cmd_import,
+        return {"check": _cmd_check, "gen": _cmd_gen, "gen-sessions": _cmd_gen_sessions, "gen-mooncake": _cmd_gen_mooncake, "import": _cmd_import,
                 "stats": _cmd_stats}[a.cmd](a)
     except BrokenPipeError:  # e.g. `stats FILE | head`
         return 0

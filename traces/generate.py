@@ -216,3 +216,38 @@ def category_of(final_context_tokens):
     """Paper's SCBench category of a session from its final context length (vectorised)."""
     x = np.asarray(final_context_tokens)
     return np.where(x < 20_000, "short", np.where(x <= 100_000, "mid", "long"))
+
+
+def fixed_sessions(n_sessions: int, *, turns: int = 3, first: int = 8000, later: int = 256, out_tokens: int = 128,
+                   spread_s: float = 4.0, think_s: float = 1.0, seed: int = 0) -> Trace:
+    """``n_sessions`` sessions of exactly ``turns`` turns each, lengths jittered around the given means: the engine
+    benchmark recipe (``tangram-trace gen-sessions``), where the point is a controlled load, not a realistic mix.
+
+    A first prompt is ``first x U(0.75, 1.25)`` tokens, a later one ``later x U(0.5, 1.5)``, every output
+    ``out_tokens x U(0.5, 1.5)``, a think time ``think_s x U(0.5, 1.5)``; sessions arrive uniformly within
+    ``spread_s`` seconds (0.5 s with 0.1 s think times saturates the engine at once). The draws are made session by
+    session in this order so that a seed gives the traces committed under reports/ bit for bit.
+    """
+    for name, v in (("n_sessions", n_sessions), ("turns", turns), ("first", first), ("later", later),
+                    ("out_tokens", out_tokens)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+    for name, v in (("spread_s", spread_s), ("think_s", think_s)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ConfigError(f"{name} must be a number of seconds >= 0, got {v!r}")
+    rng = np.random.default_rng(seed)
+    arrivals = np.sort(rng.uniform(0, spread_s, n_sessions))
+    width = max(3, len(str(n_sessions - 1)))
+    rows: list[Turn] = []
+    for s in range(n_sessions):  # sequential draws (see above): a few dozen sessions, not a hot path
+        sid = f"s{s:0{width}d}"
+        first_tokens = int(first * rng.uniform(0.75, 1.25))
+        for t in range(turns):
+            new = first_tokens if t == 0 else int(later * rng.uniform(0.5, 1.5))
+            out = int(out_tokens * rng.uniform(0.5, 1.5))
+            think = 0.0 if t == 0 else float(think_s * rng.uniform(0.5, 1.5))
+            rows.append(Turn(default_request_id(sid, t), sid, t, float(arrivals[s]) if t == 0 else None, think,
+                             max(new, 1), max(out, 1)))
+    src = (f"fixed_sessions(n_sessions={n_sessions}, turns={turns}, first={first}, later={later}, "
+           f"out_tokens={out_tokens}, spread_s={spread_s:g}, think_s={think_s:g}, seed={seed})")
+    return Trace(rows, src)

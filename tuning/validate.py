@@ -18,6 +18,9 @@ before the machine it predicts is measured.
 during the call touches every config alike), and compares the prediction with the mean of the N measurements;
 the report gives each config's spread (min, max, coefficient of variation), since a run-to-run spread above the
 tolerance makes a single measurement unable to confirm or refute the model.
+
+``--pool DIR...`` runs nothing: it pools the engine runs of several earlier calls' ``validation.json`` (same trace
+and configs) into one report, each config's prediction against the mean of every run (:mod:`tangram.tuning.pooling`).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ import numpy as np
 
 from tangram.errors import ConfigError, cli_errors, parse_cli
 from tangram.sim.engine_overhead import TERM_KEYS
+
+from .pooling import kendall_tau, pool_report, rel_err
 
 METRICS = ["throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
 # the work done, predicted vs measured: a throughput miss with equal work is a per-step cost error, one with more
@@ -52,8 +57,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser():
     p = _Parser(prog="tangram-validate", description=__doc__.split("\n\n")[0])
-    p.add_argument("configs", nargs="+", help="config JSON files (the tangram-sim --config format)")
-    p.add_argument("--trace", required=True, help="multi-turn JSONL trace")
+    p.add_argument("configs", nargs="*", metavar="CONFIG", help="config JSON files (the tangram-sim --config format)")
+    p.add_argument("--trace", help="multi-turn JSONL trace (required unless --pool)")
     p.add_argument("--weights", default="random", help="random | PATH.gguf | HF dir | auto (default random)")
     p.add_argument("--kv-pool-gib", type=float, help="cap the KV pool of every config (GiB)")
     p.add_argument("--device", default="auto")
@@ -68,7 +73,19 @@ def _parser():
                         "a probe JSON; the probe and the scales go into the outputs")
     p.add_argument("--predict-only", action="store_true",
                    help="only the simulator side: write predicted.json/.csv (no engine runs, no GPU needed)")
-    p.add_argument("--out", default="reports/validation")
+    p.add_argument("--out", default="reports/validation",
+                   help="output folder (default reports/validation); with --pool: the report's file (a .md path) or "
+                        "folder (OUT/pooled.md)")
+    pool = p.add_argument_group("pooling earlier calls (nothing runs)")
+    pool.add_argument("--pool", nargs="+", metavar="DIR",
+                      help="pool the engine runs of these tangram-validate output folders (validation.json) into one "
+                           "report: every config's prediction against the mean of all its runs")
+    pool.add_argument("--compile-s", type=float, default=0.05,
+                      help="with --pool: runs with more seconds of Triton compiles in their timed loop are also "
+                           "reported left out (default 0.05)")
+    pool.add_argument("--predicted-from", metavar="DIR",
+                      help="with --pool: compare every call's measurements with this folder's predictions (calls "
+                           "priced with an older calibration, on the same trace and configs)")
     return p
 
 
@@ -84,12 +101,6 @@ def _bench_args(cfg_path: str, a) -> argparse.Namespace:
     return bench_parser().parse_args(argv)
 
 
-def rel_err(pred, meas):
-    if pred is None or meas is None or not meas:
-        return None
-    return (pred - meas) / meas
-
-
 def term_table(pred_ops: dict, meas_ops: dict) -> list[dict]:
     rows = []
     for term, (sim_keys, eng_keys) in TERMS.items():
@@ -101,15 +112,40 @@ def term_table(pred_ops: dict, meas_ops: dict) -> list[dict]:
     return rows
 
 
+def pool(a) -> dict:
+    """``--pool DIR...``: one report over the runs of earlier calls."""
+    if a.configs or a.trace:
+        raise ConfigError("--pool reads earlier calls' folders; give no CONFIG files or --trace with it")
+    if not (a.compile_s >= 0):
+        raise ConfigError(f"--compile-s must be >= 0, got {a.compile_s}")
+    out = Path(a.out)
+    target = out if out.suffix == ".md" else out / "pooled.md"
+    text, numbers = pool_report(a.pool, compile_s=a.compile_s, predicted_from=a.predicted_from,
+                                command="tangram-validate " + " ".join(getattr(a, "_argv", [])))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    print("\n".join(text.split("\n## Every run")[0].splitlines()))
+    print(f"wrote {target}")
+    return numbers
+
+
 def run(a) -> dict:
     import pandas as pd
-    from scipy.stats import kendalltau
 
     from tangram.engine.bench import device_dtype, resolve, run_mode_of
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
     from tangram.sim.tables import resolve as resolve_tables
 
+    if a.pool:
+        return pool(a)
+    for flag, given in (("--compile-s", a.compile_s != 0.05), ("--predicted-from", a.predicted_from)):
+        if given:
+            raise ConfigError(f"{flag} applies to --pool only")
+    if not a.configs:
+        raise ConfigError("give CONFIG files to validate (or --pool DIR... to pool earlier calls)")
+    if not a.trace:
+        raise ConfigError("--trace is required: the trace both the simulator and the engine replay")
     if a.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {a.repeats}")
     predict_only = getattr(a, "predict_only", False)
@@ -197,9 +233,7 @@ def run(a) -> dict:
         print(f"{j['name']}: throughput predicted {row['throughput_rps_pred']:.4g} measured {row['throughput_rps_meas']:.4g} "
               f"req/s ({100 * row['throughput_rps_relerr']:+.1f}%)", flush=True)
     df = pd.DataFrame(rows)
-    tau = None
-    if len(rows) >= 2:
-        tau = float(kendalltau(df["throughput_rps_pred"], df["throughput_rps_meas"]).statistic)
+    tau = kendall_tau(df["throughput_rps_pred"], df["throughput_rps_meas"])
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "validation.csv", index=False)
     tdf = pd.DataFrame([dict(config=c, **t) for c, ts in terms.items() for t in ts])

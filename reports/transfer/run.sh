@@ -5,7 +5,7 @@
 #   bash reports/transfer/run.sh
 set -e
 cd "$(dirname "$0")/../.."
-python reports/engine/make_trace.py reports/transfer/validation_trace.jsonl --sessions 6 --first 6000 \
+tangram-trace gen-sessions -o reports/transfer/validation_trace.jsonl --sessions 6 --first 6000 \
   --out-tokens 48 --spread-s 1 --think-s 0.3 --seed 0
 C="reports/validation/configs/*.json reports/tuning/study/best_config.json"
 for g in h200 a100-80gb h100-80gb; do

@@ -3,7 +3,7 @@
 # simulator on traces/data/default.jsonl), one device call, both versions on the same machine:
 #   R1 (whole GPU: the KV pool is what the 80 GB leave after the weights): 24 sessions x 2 turns, first prompts
 #      15-25K tokens (ctx 20000 x U(0.75, 1.25)), later 256-768, outputs 48-144; full needs ~62 GB of KV for them;
-#   R2 (capped 2.5 GiB pool, the session-2/3 engine recipe): 6 sessions x 3 turns, first prompts 9-15K.
+#   R2 (capped 2.5 GiB pool, the engine recipe of the first H100 runs): 6 sessions x 3 turns, first prompts 9-15K.
 # Modes tangram (reports/tuning/study/best_config.json), dynamic, full. Run from the branch's tree with the
 # merge-base tree at BEFORE (default ../before) and the simpy wheel at WHL (default ../whl).
 set -o pipefail
@@ -17,10 +17,10 @@ mk /tmp/site_after $ROOT
 mk /tmp/site_before $BEFORE
 T=$OUT/t
 mkdir -p $T
-PYTHONPATH=/tmp/site_after:/tmp/site python3 reports/engine/make_trace.py $T/R1.jsonl --sessions 24 --turns 2 --first 20000 \
-  --later 512 --out-tokens 96 --spread-s 3 --seed 17
-PYTHONPATH=/tmp/site_after:/tmp/site python3 reports/engine/make_trace.py $T/R2.jsonl --sessions 6 --turns 3 --first 12000 \
-  --later 256 --out-tokens 96 --spread-s 4 --seed 23
+PYTHONPATH=/tmp/site_after:/tmp/site python3 -m tangram.traces.cli gen-sessions -o $T/R1.jsonl --sessions 24 --turns 2 \
+  --first 20000 --later 512 --out-tokens 96 --spread-s 3 --seed 17
+PYTHONPATH=/tmp/site_after:/tmp/site python3 -m tangram.traces.cli gen-sessions -o $T/R2.jsonl --sessions 6 --turns 3 \
+  --first 12000 --later 256 --out-tokens 96 --spread-s 4 --seed 23
 cp reports/tuning/study/best_config.json $T/config.json
 for tr in R1 R2; do
   POOL=""; [ $tr = R2 ] && POOL="--kv-pool-gib 2.5"
