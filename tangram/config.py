@@ -169,6 +169,11 @@ class EngineConfig:
     # pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
     # in the engine and are priced as graph replays by the simulator; 0 = every step eager
     cuda_graph_max_bs: int = 64
+    # tensor parallelism (issue 16): ``tp`` GPUs serve one replica, each holding H/tp KV heads of every layer;
+    # ``placement`` picks which heads (tangram.placement: "contiguous" = the Megatron split, "balanced" =
+    # budget-balanced groups per rank)
+    tp: int = 1
+    placement: str = "balanced"
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -191,6 +196,10 @@ class EngineConfig:
             raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp (tensor-parallel degree) must be an integer >= 1, got {self.tp!r}")
+        if self.placement not in ("contiguous", "balanced"):
+            raise ConfigError(f"placement must be contiguous or balanced, got {self.placement!r}")
 
     # -- resolved switches
     @property
@@ -248,13 +257,18 @@ class EngineConfig:
 
 
 def kv_pool_bytes(model: ModelConfig, gpu: GPUConfig, engine: EngineConfig) -> int:
-    """Bytes left for the KV cache: a share of device memory minus weights and activations."""
+    """Bytes left for the KV cache on one GPU: a share of device memory minus its weights and activations. Under
+    tensor parallelism a GPU holds ``1/tp`` of the weights (every matrix is sharded: q/k/v and gate/up by
+    column, o and down by row, the embedding and lm_head by vocabulary), and this is one rank's pool."""
     if engine.kv_pool_bytes is not None:
         return int(engine.kv_pool_bytes)
-    free = gpu.memory_bytes * engine.gpu_memory_utilization - model.weight_bytes() - engine.activation_reserve_bytes
+    w = model.weight_bytes() / engine.tp
+    free = gpu.memory_bytes * engine.gpu_memory_utilization - w - engine.activation_reserve_bytes
     if free <= 0:
+        tp = f" / tp {engine.tp}" if engine.tp > 1 else ""
         raise ConfigError(
-            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights) leaves no KV memory on {gpu.name}")
+            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights{tp}) leaves no KV memory on "
+            f"{gpu.name}")
     return int(free)
 
 
