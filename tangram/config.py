@@ -103,6 +103,8 @@ class GPUConfig:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
+    # NVLink bandwidth per direction between two GPUs of one host (bytes/s): tensor parallelism's all-reduce
+    nvlink_bandwidth: float = 450e9
 
     @property
     def family(self) -> str:
@@ -114,7 +116,8 @@ GIB = 1024**3
 GPUS: dict[str, GPUConfig] = {
     g.name: g
     for g in [
-        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2;
+        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2,
+        # NVLink 4 900 GB/s bidirectional (450 GB/s per direction; the H200 alike);
         # compute capability 9.0: 228 KiB of shared memory per SM for blocks (what torch reports on the H100 of
         # sim/tables/h100/meta.json), 64K registers, 2048 threads and 32 blocks per SM (the H200 alike).
         GPUConfig("h100-80gb", 80 * 10**9, 3.35e12, 132, 989e12, 50 * 2**20),
@@ -123,7 +126,9 @@ GPUS: dict[str, GPUConfig] = {
         # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2;
         # CUDA programming guide (compute capability 8.0): 164 KiB of shared memory per SM for blocks, 64K
         # registers, 2048 threads and 32 blocks per SM.
-        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936),
+        # NVLink 3: 600 GB/s bidirectional.
+        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936,
+                  nvlink_bandwidth=300e9),
     ]
 }
 
