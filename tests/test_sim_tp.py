@@ -159,3 +159,34 @@ def test_cli_tp(tmp_path, capsys):
     with pytest.raises(SystemExit) as ex:
         main(["--tp", "2", "--hp", "8", "--mode", "tangram", "--out", str(tmp_path)])
     assert ex.value.code == 2 and "H_p=8 must divide" in capsys.readouterr().err
+
+
+def test_tuner_space_with_tp():
+    import optuna
+
+    from tangram.tuning.space import SearchSpace
+
+    base = SearchSpace.for_model(LLAMA)
+    assert base.searched == ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size",
+                             "max_batched_tokens")  # studies without TP keep their parameter names
+    fixed2 = SearchSpace.for_model(LLAMA, tp=(2,), placement=("contiguous",))
+    assert fixed2.heads_per_group == (1, 2, 4) and fixed2.fixed == {"tp": 2, "placement": "contiguous"}
+    sp = SearchSpace.for_model(LLAMA, tp=(1, 2), placement=("contiguous", "balanced"), fixed={"mode": "tangram"})
+    assert sp.heads_per_group == (1, 2, 4, 8) and "tp" in sp.distributions() and "placement" in sp.distributions()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    seen = set()
+    for _ in range(40):
+        t = study.ask()
+        try:
+            p = sp.suggest(t)
+        except optuna.TrialPruned:
+            assert t.params["tp"] == 2 and t.params["heads_per_group"] == 8
+            study.tell(t, state=optuna.trial.TrialState.PRUNED)
+            seen.add("pruned")
+            continue
+        e = sp.engine(p)
+        KVLayout.build(LLAMA, e, default_profile(LLAMA, e.rho, e.alpha).B)  # every drawn config is buildable
+        assert sp.contains(p)
+        seen.add((e.tp, e.placement))
+        study.tell(t, 0.0)
+    assert {(1, "balanced"), (2, "contiguous"), (2, "balanced"), "pruned"} <= seen
