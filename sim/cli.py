@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, help="prefill chunk size in tokens")
     p.add_argument("--max-batched-tokens", type=int)
     p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs per replica (default 1; must divide the KV heads, "
+                                          "H_p must divide a rank's heads)")
+    p.add_argument("--placement", choices=["contiguous", "balanced"],
+                   help="KV heads per rank under --tp: the Megatron split or budget-balanced groups (default)")
     p.add_argument("--router", choices=["round-robin", "least-outstanding", "session-affinity"])
     p.add_argument("--seed", type=int, help="seed of the cost model's random draws and the synthetic profile")
     p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
@@ -187,6 +191,7 @@ def run(args) -> dict:
                 if rp.get("note"):
                     m["replicas_note"] = rp["note"]
     common = {"trace": str(r["trace_path"]), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
+              "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": r["profile_label"], "offered_rps": offered,
               "slo": r["slo"], "target_rate": r["target_rate"]}
     common["accuracy"] = r["accuracy_label"]

@@ -54,6 +54,12 @@ class CostParams:
     # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the tables folder
     # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
     engine_overhead: bool = True
+    # tensor parallelism's ring model (sim/tp.py) when the tables folder has no allreduce.csv for the degree:
+    # NCCL's ring all-reduce reaches ~80% of the NVLink per-direction bandwidth as bus bandwidth at large sizes,
+    # and ~10 us for a small message between two GPUs of one host (assumptions, not fits: run
+    # ``python -m tangram.sim.fit_allreduce`` on the machine to replace them)
+    allreduce_bw_eff: float = 0.80
+    allreduce_latency_s: float = 10e-6
 
 
 @dataclass(frozen=True)
@@ -481,18 +487,21 @@ class CostModel:
 
     def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:
         """Per-chunk terms of prefill attention and compression (summed per step by :meth:`_prefill_sum`); a run
-        of steps evaluates the table interpolant once for all its chunks."""
+        of steps evaluates the table interpolant once for all its chunks. ``head_lens`` may hold a subset of the
+        KV heads (one tensor-parallel rank's, ``sim/tp.py``): the table, measured on all heads, is read at the
+        subset's retained tokens scaled to all heads and its time taken in the subset's share."""
         m, p = self.model, self.params
-        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        L, H, d = m.num_layers, head_lens.shape[-1], m.head_dim
+        share = H / m.num_kv_heads
         c = tokens.astype(np.float64)
         cached = head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
-        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1)}
+        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1), "H": H}
         if self._prefill is not None:
-            v = self._prefill(c, cached / L)
-            out["att"] = v["attention_ms"]
+            v = self._prefill(c, cached / (L * share))
+            out["att"] = v["attention_ms"] * share
             if self.compress and "score_ms" in v:
                 sel = "select_dynamic_ms" if retention == "global" and "select_dynamic_ms" in v else "select_ms"
-                out["comp"] = [v[k] for k in ("score_ms", sel, "scatter_ms") if k in v]
+                out["comp"] = [v[k] * share for k in ("score_ms", sel, "scatter_ms") if k in v]
         else:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             flops = 4.0 * d * self.gq * c * (cached + L * H * c / 2)
@@ -503,7 +512,7 @@ class CostModel:
     def _prefill_sum(self, rows: dict, sl: slice) -> tuple[float, float]:
         """Prefill attention and compression seconds of the chunks ``rows[sl]`` (one step's)."""
         m, p = self.model, self.params
-        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        L, H, d = m.num_layers, rows["H"], m.head_dim
         c = rows["c"][sl]
         comp = 0.0
         if "att" in rows:

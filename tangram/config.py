@@ -104,6 +104,8 @@ class GPUConfig:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
+    # NVLink bandwidth per direction between two GPUs of one host (bytes/s): tensor parallelism's all-reduce
+    nvlink_bandwidth: float = 450e9
 
     @property
     def family(self) -> str:
@@ -115,7 +117,8 @@ GIB = 1024**3
 GPUS: dict[str, GPUConfig] = {
     g.name: g
     for g in [
-        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2;
+        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2,
+        # NVLink 4 900 GB/s bidirectional (450 GB/s per direction; the H200 alike);
         # compute capability 9.0: 228 KiB of shared memory per SM for blocks (what torch reports on the H100 of
         # sim/tables/h100/meta.json), 64K registers, 2048 threads and 32 blocks per SM (the H200 alike).
         GPUConfig("h100-80gb", 80 * 10**9, 3.35e12, 132, 989e12, 50 * 2**20),
@@ -124,7 +127,9 @@ GPUS: dict[str, GPUConfig] = {
         # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2;
         # CUDA programming guide (compute capability 8.0): 164 KiB of shared memory per SM for blocks, 64K
         # registers, 2048 threads and 32 blocks per SM.
-        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936),
+        # NVLink 3: 600 GB/s bidirectional.
+        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936,
+                  nvlink_bandwidth=300e9),
     ]
 }
 
@@ -175,6 +180,11 @@ class EngineConfig:
     # all layers of a chunk; uniform: each head's top-k), and the default profile is the one calibrated for it
     score_method: str = "ada-snapkv"
     budget_scope: str = "per-layer"
+    # tensor parallelism (issue 16): ``tp`` GPUs serve one replica, each holding H/tp KV heads of every layer;
+    # ``placement`` picks which heads (tangram.placement: "contiguous" = the Megatron split, "balanced" =
+    # budget-balanced groups per rank)
+    tp: int = 1
+    placement: str = "balanced"
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -198,6 +208,10 @@ class EngineConfig:
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         check_method_scope(self.score_method, self.budget_scope)
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp (tensor-parallel degree) must be an integer >= 1, got {self.tp!r}")
+        if self.placement not in ("contiguous", "balanced"):
+            raise ConfigError(f"placement must be contiguous or balanced, got {self.placement!r}")
 
     # -- resolved switches
     @property
@@ -255,13 +269,18 @@ class EngineConfig:
 
 
 def kv_pool_bytes(model: ModelConfig, gpu: GPUConfig, engine: EngineConfig) -> int:
-    """Bytes left for the KV cache: a share of device memory minus weights and activations."""
+    """Bytes left for the KV cache on one GPU: a share of device memory minus its weights and activations. Under
+    tensor parallelism a GPU holds ``1/tp`` of the weights (every matrix is sharded: q/k/v and gate/up by
+    column, o and down by row, the embedding and lm_head by vocabulary), and this is one rank's pool."""
     if engine.kv_pool_bytes is not None:
         return int(engine.kv_pool_bytes)
-    free = gpu.memory_bytes * engine.gpu_memory_utilization - model.weight_bytes() - engine.activation_reserve_bytes
+    w = model.weight_bytes() / engine.tp
+    free = gpu.memory_bytes * engine.gpu_memory_utilization - w - engine.activation_reserve_bytes
     if free <= 0:
+        tp = f" / tp {engine.tp}" if engine.tp > 1 else ""
         raise ConfigError(
-            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights) leaves no KV memory on {gpu.name}")
+            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights{tp}) leaves no KV memory on "
+            f"{gpu.name}")
     return int(free)
 
 

@@ -12,6 +12,7 @@ from tangram.config import MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelCo
 from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
 from tangram.harness.slo import DEFAULT_SLO, parse_slo
+from tangram.placement import check_tp
 
 # keys of a --config JSON that are not EngineConfig fields
 RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
@@ -102,9 +103,10 @@ def resolve(args, default_out: str) -> dict:
     cfg = _load_config(args.config) if args.config else {}
     eng_d = {k: v for k, v in cfg.items() if k not in RUN_KEYS}
     flag_map = {"rho": "rho", "hp": "heads_per_group", "alpha": "alpha", "page_size": "page_size",
-                "chunk": "chunk_size", "max_batched_tokens": "max_batched_tokens"}
+                "chunk": "chunk_size", "max_batched_tokens": "max_batched_tokens", "tp": "tp",
+                "placement": "placement"}
     for a, f in flag_map.items():
-        if getattr(args, a) is not None:
+        if getattr(args, a, None) is not None:
             eng_d[f] = getattr(args, a)
     try:
         engine = EngineConfig.from_dict(eng_d)
@@ -119,6 +121,14 @@ def resolve(args, default_out: str) -> dict:
     if engine.ragged_paging or engine.mode in ("br+rp", "tangram") or any(m in ("br+rp", "tangram") for m in parse_modes(args.mode)):
         if model.num_kv_heads % engine.heads_per_group:
             raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
+    if engine.tp > 1:  # equal KV heads per rank, whole head groups per rank (tangram.placement.check_tp)
+        ragged = engine.ragged_paging or engine.mode in ("br+rp", "tangram") or \
+            any(m in ("br+rp", "tangram") for m in parse_modes(args.mode))
+        check_tp(model.num_kv_heads, engine.tp, engine.heads_per_group if ragged else None)
+        for what, v in (("query heads", model.num_q_heads), ("intermediate size", model.intermediate),
+                        ("vocabulary", model.vocab)):
+            if v % engine.tp:
+                raise ConfigError(f"--tp {engine.tp} must divide {model.name}'s {what} ({v})")
     seed = args.seed if args.seed is not None else int(cfg.get("seed", 0))
     prof_path = args.profile or cfg.get("profile")
     if prof_path:

@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="index of this worker when several are started by hand on one storage (distinct sampler "
                         "seeds); --n-jobs sets it for the workers it spawns")
     p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--tp", type=int, nargs="+", default=[1],
+                   help="tensor-parallel degrees to search (default 1; several: the objective is load per GPU)")
+    p.add_argument("--placement", nargs="+", default=["balanced"], choices=["contiguous", "balanced"],
+                   help="KV-head placements to search under tp > 1 (default balanced)")
     p.add_argument("--gpu", default="h100-80gb")
     p.add_argument("--profile", help="budget profile file (default: the simulator's synthetic profile for --seed)")
     p.add_argument("--tables", "--calibration", dest="tables",
@@ -93,7 +97,7 @@ def _build(args):
     trace_path = str(Path(args.trace).resolve()) if args.trace else str(default_trace_path())
     trace = load_trace(trace_path)
     slo = parse_slo(args.slo)
-    space = SearchSpace.for_model(model, fixed={"mode": "tangram"})
+    space = SearchSpace.for_model(model, tp=tuple(args.tp), placement=tuple(args.placement), fixed={"mode": "tangram"})
     if args.profile:
         profile = BudgetProfile.load(args.profile)
         profile.check_model(model.num_layers, model.num_kv_heads, model.name)
