@@ -77,7 +77,8 @@ def test_tova_matches_float64_reference(c):
 def test_keydiff_matches_float64_reference():
     gen = torch.Generator().manual_seed(_seed())
     q, k, v, lse = _case(gen, 19)
-    assert_scores_close(chunk_scores("keydiff", q, k, v, None, pos0=0), R.ref_keydiff_chunk(k))
+    # fp32 cosines of unit vectors: absolute error up to a few fp32 ulps of 1 (values near 0 fail a relative bound)
+    assert_scores_close(chunk_scores("keydiff", q, k, v, None, pos0=0), R.ref_keydiff_chunk(k), atol=1e-6)
 
 
 @pytest.mark.parametrize("pos0,c", [(0, 13), (2, 13), (300, 9)])
