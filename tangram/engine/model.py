@@ -122,8 +122,12 @@ class TorchAttention:
             ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale, self.inv_freq)
             for obs in self.observers:
                 obs(ev)
+        return self._attend(q, K, V, keep, ctx, scale)
+
+    def _attend(self, q: Tensor, K: Tensor, V: Tensor, keep: Tensor, ctx: AttnContext, scale: float) -> Tensor:
+        """Attention of the new queries over the kept tokens (subclasses trade memory for speed here)."""
         allowed = keep[:, :, None, :] & (self.pos[None, None, None, :] <= ctx.input_pos[None, None, :, None])
-        g = q.shape[1] // Hkv
+        g = q.shape[1] // K.shape[1]
         allowed = allowed.repeat_interleave(g, dim=1)
         Kq, Vq = K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1)
         return F.scaled_dot_product_attention(q, Kq, Vq, attn_mask=allowed, scale=scale)

@@ -200,26 +200,9 @@ class EvalAttention(TorchAttention):
         nb.pos = None if base.pos is None else base.pos.clone()
         return nb
 
-    def __call__(self, layer_idx, q, k, v, ctx):
-        B, Hkv, T, D = k.shape
-        if self.k[layer_idx] is None:
-            self.k[layer_idx], self.v[layer_idx] = k, v
-            self.keep[layer_idx] = torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)
-        else:
-            self.k[layer_idx] = torch.cat([self.k[layer_idx], k], dim=2)
-            self.v[layer_idx] = torch.cat([self.v[layer_idx], v], dim=2)
-            self.keep[layer_idx] = torch.cat(
-                [self.keep[layer_idx], torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)], dim=2)
-        if layer_idx == 0:
-            self.pos = ctx.input_pos.clone() if self.pos is None else torch.cat([self.pos, ctx.input_pos])
-        K, V, keep = self.k[layer_idx], self.v[layer_idx], self.keep[layer_idx]
-        N = K.shape[2]
-        scale = 1.0 / math.sqrt(D)
-        if self.observers:
-            from tangram.engine.model import AttnEvent
-            ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale)
-            for obs in self.observers:
-                obs(ev)
+    def _attend(self, q, K, V, keep, ctx, scale):
+        B, Hkv, N, _ = K.shape
+        T = q.shape[2]
         if N == T:  # empty cache before this call: plain causal attention over the new tokens
             return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
         g = q.shape[1] // Hkv
