@@ -216,6 +216,7 @@ class CostModel:
             self.sources[f"elementwise_{op}"] = "table:elementwise.csv" if f is not None else "roofline: bytes / BW"
         self.sources["sampling"] = self.sources.pop("elementwise_sampling")
         self._dense_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self.shards = 1  # ranks one replica's dense layers are split over (TPCostModel: the TP degree)
         self._row_tables: dict[tuple[str, str], np.ndarray] = {}
 
         # -- prefill attention + compression scoring/selection/scatter
@@ -364,28 +365,22 @@ class CostModel:
         hit = self._dense_cache.get(key)
         if hit is not None:
             return hit
-        m, p = self.model, self.params
-        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+        m, p, sh = self.model, self.params, self.shards
+        bw = self.gpu.mem_bandwidth * p.roofline_bw_eff
         g = 0.0
         for op in GEMM_OPS + ("lm_head",):
             rows = tokens if op != "lm_head" else logit_rows
-            if rows == 0:
-                continue
-            reps = m.num_layers if op != "lm_head" else 1
-            f = self._gemm_interp[op]
-            if f is not None:
-                t = self._table_time(("gemm", op), f, rows)
-            else:
-                n, k = self.gemm_shapes[op]
-                t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
-            g += reps * t
+            if rows:
+                g += (m.num_layers if op != "lm_head" else 1) * self._gemm_time(op, rows)
         e = 0.0
-        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim,
-                   "silu_mul": 3 * m.intermediate}
+        # element-wise work per token; with tensor parallelism RoPE and SiLU*up run on the rank's shard only
+        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim / sh,
+                   "silu_mul": 3 * m.intermediate / sh}
         for op, elems in per_tok.items():
             reps = m.num_layers * (2 if op == "rmsnorm" else 1)
             f = self._elem[op]
-            t = self._table_time(("elem", op), f, tokens) if f is not None else \
+            share = 1.0 if op == "rmsnorm" else 1.0 / sh
+            t = self._table_time(("elem", op), f, tokens) * share if f is not None else \
                 tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
             e += reps * t
         if logit_rows:  # sampling over the vocabulary, once per step
@@ -394,6 +389,18 @@ class CostModel:
                 logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
         self._dense_cache[key] = (g, e)
         return g, e
+
+    def _gemm_time(self, op: str, rows: int) -> float:
+        """One call of GEMM ``op`` on ``rows`` tokens: the table, else the roofline of its shape."""
+        f = self._gemm_interp[op]
+        if f is not None:
+            return self._table_time(("gemm", op), f, rows)
+        return self._gemm_roofline(*self.gemm_shapes[op], rows)
+
+    def _gemm_roofline(self, n: int, k: int, rows: int) -> float:
+        m, p = self.model, self.params
+        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+        return max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
 
     def _table_time(self, key, f, rows: int) -> float:
         """``f(rows)`` of a table interpolant, read from its values at every size 0..n-1 computed in one call

@@ -103,6 +103,7 @@ class TPCostModel(CostModel):
         if layout.tp != self.tp:
             raise ConfigError(f"layout has tp={layout.tp}, engine tp={self.tp}")
         super().__init__(model, gpu, engine, layout, profile, **kw)
+        self.shards = self.tp
         tp, m = self.tp, model
         for name, v in (("q heads", m.num_q_heads), ("intermediate", m.intermediate), ("vocab", m.vocab)):
             if v % tp:
@@ -186,42 +187,11 @@ class TPCostModel(CostModel):
         return out
 
     # ------------------------------------------------------------------ dense layers at the rank's shapes
-    def _dense(self, tokens: int, logit_rows: int) -> tuple[float, float]:
-        key = (tokens, logit_rows)
-        hit = self._dense_cache.get(key)
-        if hit is not None:
-            return hit
-        m, p, tp = self.model, self.params, self.tp
-        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
-        g = 0.0
-        for op in GEMM_OPS + ("lm_head",):
-            rows = tokens if op != "lm_head" else logit_rows
-            if rows == 0:
-                continue
-            reps = m.num_layers if op != "lm_head" else 1
-            f, scale = self._rank_gemm[op]
-            if f is not None:
-                t = self._table_time(("gemm", op) if scale != 1.0 else ("gemm_rank", op), f, rows) * scale
-            else:
-                n, k = self.rank_shapes[op]
-                t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
-            g += reps * t
-        e = 0.0
-        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim / tp,
-                   "silu_mul": 3 * m.intermediate / tp}
-        for op, elems in per_tok.items():
-            reps = m.num_layers * (2 if op == "rmsnorm" else 1)
-            f = self._elem[op]
-            share = 1.0 if op == "rmsnorm" else 1.0 / tp
-            t = self._table_time(("elem", op), f, tokens) * share if f is not None else \
-                tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
-            e += reps * t
-        if logit_rows:
-            f = self._elem["sampling"]
-            e += self._table_time(("elem", "sampling"), f, logit_rows) if f is not None else \
-                logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
-        self._dense_cache[key] = (g, e)
-        return g, e
+    def _gemm_time(self, op: str, rows: int) -> float:
+        f, scale = self._rank_gemm[op]
+        if f is not None:
+            return self._table_time(("gemm", op) if scale != 1.0 else ("gemm_rank", op), f, rows) * scale
+        return self._gemm_roofline(*self.rank_shapes[op], rows)
 
     # ------------------------------------------------------------------ attention per rank
     def rank_split_map(self, rank: int, batch: int, context: int | None = None) -> np.ndarray:
