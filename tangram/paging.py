@@ -160,6 +160,7 @@ class PagePool:
         self.n_pinned = 0  # pages retained by the prefix cache
         self.total_allocs = 0
         self.total_frees = 0
+        self.lets_go = 0  # calls that lowered a ref or pin count (a page may have become the cache's alone)
 
     @property
     def n_free(self) -> int:
@@ -209,6 +210,7 @@ class PagePool:
         r = self.ref[ids] - 1
         if (r < 0).any():
             raise AssertionError("release of a page no row holds (double free)")
+        self.lets_go += 1
         self.ref[ids] = r
         self.n_refs -= ids.size
         zero = r == 0
@@ -237,6 +239,7 @@ class PagePool:
         p = self.pins[ids] - n
         if (p < 0).any():
             raise AssertionError("unpin of a page that is not pinned")
+        self.lets_go += 1
         self.pins[ids] = p
         self.n_pinned -= int(np.count_nonzero(p == 0))
         dead = ids[(p == 0) & (self.ref[ids] == 0)]

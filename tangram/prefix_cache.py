@@ -122,6 +122,7 @@ class PrefixCache:
         self.registered = 0
         self.evictions = 0
         self.tails_dropped = 0
+        self._no_tail_at = -1  # pool.lets_go when a scan last found no droppable copy source
 
     # ------------------------------------------------------------------ chains
     def chain(self, prefix) -> ChainPlan:
@@ -251,12 +252,15 @@ class PrefixCache:
         if self.idle:
             self._evict(next(iter(self.idle.values())))
             return True
+        if self._no_tail_at == self.pool.lets_go:  # nothing let go of a page since the last empty scan (a blocked
+            return False  # head retries every step; the scan is O(cached units))
         ref, pins = self.pool.ref, self.pool.pins
         for u in self.tailed.values():
             t = u.tail_ids
             if ((ref[t] == 0) & (pins[t] == 1)).any():
                 self._drop_tail(u)
                 return True
+        self._no_tail_at = self.pool.lets_go
         return False
 
     def clear(self) -> int:

@@ -604,6 +604,7 @@ class Scheduler:
             self.stats.pages_freed += reclaimed
         if plan.copy_src.size:  # the step copied them
             self.stats.pages_freed += self.pool.unpin(plan.copy_src)
+            self._blocked = None  # unpinned copy sources may be the cache's alone now: the next admission can drop them
         if self.pc is not None and plan.num_prefill:  # the chunks ran: cache the chain's pages they completed
             for rid in plan.prefill_ids.tolist():
                 req = self.requests[rid]
@@ -672,13 +673,12 @@ class Scheduler:
         pre = [r for r in run if r.prefilled < r.prompt]
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
             return None
-        if self.pc is not None:  # shared prefixes: a chain's chunks are cut at its segment ends, copy-on-write
-            # and cache registration happen at chunk steps, and a blocked head may own evictable cache units: the
-            # step-by-step path handles these (decode-only runs of chain-free batches stay fast-forwarded)
-            if any(r.chain is not None or r.pending_copy is not None or r.reg >= 0 for r in pre):
-                return None
-            if self.waiting and len(run) < self.engine.max_num_seqs and self.pc.units:
-                return None
+        if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk
+            return None
+        # A chain's chunks are cut at its segment ends (``_chunk_len``), and a chunk that reaches the next chain
+        # boundary a turn may cache ends the run (``commit_run`` registers it as ``update`` would). A blocked
+        # head's failed admission is a fixed point with the prefix cache too: it evicted every idle unit and
+        # copy source but those of the head's own hit, which it holds again at every attempt.
         blocked = None
         if self.waiting and len(run) < self.engine.max_num_seqs:
             b = self._blocked
@@ -697,19 +697,22 @@ class Scheduler:
             C, head = self.engine.chunk_size, blocked
             head_first = min(C, self._prompt_of(head)) if head is not None else 0
             rem = [r.prompt - r.prefilled for r in pre]
+            pos = [int(self.ctx[r.row]) for r in pre]
+            reg_at = [int(r.chain.bounds[r.reg]) if 0 <= r.reg < r.chain.bounds.size else -1 for r in pre]
             done = False
             for j in range(1, k_max + 1):
                 budget, got = self.engine.max_batched_tokens - len(dec), False
                 for i, r in enumerate(pre):
                     if rem[i] and (budget > 0 or not got):
-                        c = min(C, rem[i])
+                        c = self._chunk_len(rem[i], pos[i], r.cuts)
                         if c > budget and got:
                             continue
                         rem[i] -= c
+                        pos[i] += c
                         budget -= c
                         got = True
                         chunks.append((j, r, c, rem[i] == 0))
-                        done = done or rem[i] == 0
+                        done = done or rem[i] == 0 or 0 <= reg_at[i] <= pos[i]
                 attempted_last = head_first <= budget or not got
                 if done:
                     k_max = j
@@ -828,6 +831,12 @@ class Scheduler:
             run.chunk_step.tolist(), [None] * len(run.chunk_step), run.chunk_tokens.tolist(),
             [None] * len(run.chunk_step))), blocked, len(dec))
         self._blocked = (blocked, free0 - alloc) if blocked is not None and at_j else None
+        if self.pc is not None and n:  # a chunk of the last step reached a chain boundary (plan_run ends there)
+            for rid in uniq.tolist():
+                req = self.requests[rid]
+                if req.reg >= 0:
+                    self._register(req)
+            self._prefix_peaks()
         events: list[Event] = []
         for r in last_prefill:
             self._emit_token(r, events)
