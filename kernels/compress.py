@@ -30,7 +30,9 @@ from tangram.kernels._triton import attend_block, runs_triton, tl, triton
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Metadata pointers (views at any offset) and step-sized ints are not specialised: their classes flipped inside
+# timed runs (tangram-validate's in-run compile report, H100 2026-11-24); they are read once per program.
+@triton.jit(do_not_specialize=["stride_lh"], do_not_specialize_on_alignment=["LENS", "HEAD2SLOT", "CU"])
 def _prefill_varlen_kernel(
     Q, KN, VN, KV, BT, LENS, HEAD2SLOT, CU, OUT, LSE,
     qk_scale,
@@ -85,7 +87,7 @@ def _prefill_varlen_kernel(
     tl.store(LSE + qh * stride_lh + rows, m_i + tl.log2(l_i), mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_lh"], do_not_specialize_on_alignment=["HEAD2SLOT", "CU"])
 def _snapkv_varlen_kernel(
     Q, KN, LSE, HEAD2SLOT, CU, OUT,
     window, qk_scale,
@@ -151,7 +153,8 @@ def _order_key(s):
 
 
 # max_pages (the step's widest table) takes any value: a specialisation per class would compile inside a run
-@triton.jit(do_not_specialize=["max_pages"])
+@triton.jit(do_not_specialize=["max_pages"],
+            do_not_specialize_on_alignment=["CU", "COUNTS", "LENS", "SLOT2HEAD", "KEPT"])
 def _select_scatter_kernel(
     SC, KN, VN, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT,
     max_pages,
@@ -273,13 +276,15 @@ def prefill_attention_varlen(q, k, v, cu: torch.Tensor, max_chunk: int, kv_pool,
 
 
 def snapkv_scores_varlen(q, k, lse, cu: torch.Tensor, max_chunk: int, head_to_slot, *, window: int = 32,
-                         sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Raw (unpooled) SnapKV scores ``[kp, H, score_width(max_chunk)]`` fp32, slot order, 0 past each chunk."""
+                         sm_scale: float | None = None, out: torch.Tensor | None = None,
+                         width: int | None = None) -> torch.Tensor:
+    """Raw (unpooled) SnapKV scores ``[kp, H, width]`` fp32 (default ``score_width(max_chunk)``), slot order, 0
+    past each chunk."""
     N, Hq, d = q.shape
     H = k.shape[1]
     gq = Hq // H
     kp = cu.numel() - 1
-    CS = score_width(max_chunk)
+    CS = score_width(max_chunk) if width is None else int(width)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if out is None:
         out = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)

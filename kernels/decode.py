@@ -43,7 +43,7 @@ from tangram.kernels._triton import attend_block, runs_triton, tl, triton
 # do_not_specialize removed the occasional recompile (0.5-1.8 s steps) but cost 27% of engine throughput on the
 # H100 (tangram mode 0.378 vs 0.517 req/s; reports/engine/README.md, "Earlier results"). Instead the partial buffers are
 # padded (launch_decode) so their strides keep one divisibility class, and the warm-up covers the chunk lengths.
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["LENS", "SLOT2HEAD"])  # views at any offset (compress.py)
 def _decode_split_kernel(
     Q, KV, BT, LENS, SLOT2HEAD, NSPLIT, ITEMS, PM, PL, PACC, OUT,
     qk_scale, chunk_tokens,

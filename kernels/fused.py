@@ -167,7 +167,7 @@ def _rope_heads(row_ptr, COS, SIN, QN, n_heads, eps,
 
 
 # n_dec (the step's decode rows) takes any value: a specialisation per class would compile inside a run
-@triton.jit(do_not_specialize=["n_dec"])
+@triton.jit(do_not_specialize=["n_dec"], do_not_specialize_on_alignment=["LENS", "H2S"])  # see compress.py
 def _rope_qkv_kernel(
     QKV, COS, SIN, QN, KN, KV, BT, LENS, H2S,
     n_dec, eps,

@@ -281,6 +281,22 @@ def test_run_diagnostics_hooks_restore_and_record(tiny):
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == before
     s = tc.summary()
     assert s["count"] == 1 and s["first"][0]["kernel"] == "_k" and s["first"][0]["s"] >= 0
+    # a compile in the run names the arguments whose class differs from the warm-up's compile of the kernel
+    tc2 = TritonCompiles()
+    tc2.running = False
+    sig = {"X": "*bf16", "n": "i32", "m": "i32"}
+    with tc2:
+        for cfg, const in (({(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, {}),
+                           ({(0,): [["tt.divisibility", 16]]}, {(2,): 1})):
+            if const:
+                tc2.start()
+            kw = dict(key=(str(cfg),), repr="", fn=info, compile={"signature": sig, "constants": const,
+                                                                   "configs": [cfg]},
+                      is_manual_warmup=False, already_compiled=False)
+            knobs.runtime.jit_cache_hook(**kw)
+            knobs.runtime.jit_post_compile_hook(**kw)
+    s2 = tc2.summary()
+    assert s2["count"] == 1 and s2["first"][0]["differs"] == {"n": "i32/16 -> i32", "m": "i32 -> i32=1"}
     assert gp.n >= 1 and gp.s >= 0
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)

@@ -191,12 +191,39 @@ class GcPauses:
 
 class TritonCompiles:
     """Triton kernels compiled while the clock runs (a new specialisation of an integer argument or pointer
-    alignment costs a compile inside some step): kernel, argument classes and seconds, from Triton's JIT hooks."""
+    alignment costs a compile inside some step): kernel, seconds, and which arguments' classes ("== 1",
+    "divisible by 16", pointer alignment) differ from the nearest compile of the same kernel before the run
+    (the warm-up's), from Triton's JIT hooks. Enter it before the warm-up and call :meth:`start` with the clock."""
 
     def __init__(self):
-        self.items: list[dict] = []
+        self.items: list[dict] = []  # compiles after start()
+        self.before: dict[str, list[dict]] = {}  # kernel -> argument classes of each compile before start()
         self._t0: dict = {}
         self._prev = None
+        self.running = True  # without start(): every compile counts (the hooks only cover the run)
+
+    def start(self) -> None:
+        self.items, self.running = [], True
+
+    @staticmethod
+    def classes(compile: dict) -> dict[str, str]:
+        """Argument name -> its specialisation class: type, ``=value`` for a constant, ``/16`` when Triton
+        assumed divisibility by 16 (integers) or 16-byte alignment (pointers)."""
+        sig = compile.get("signature") or {}
+        names = list(sig)
+        const = {k[0] if isinstance(k, tuple) else k: v for k, v in (compile.get("constants") or {}).items()}
+        attrs = (compile.get("configs") or [{}])[0] or {}
+        div = {k[0] if isinstance(k, tuple) else k for k, v in attrs.items()
+               if any("divisibility" in str(a) for a in v)}
+        out = {}
+        for i, n in enumerate(names):
+            c = str(sig[n])  # a constexpr (declared, or an integer Triton specialised to 1) shows its value
+            if i in const or n in const:
+                c += f"={const.get(i, const.get(n))}"
+            if i in div:
+                c += "/16"
+            out[n] = c
+        return out
 
     def _before(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
         self._t0[id(key)] = time.perf_counter()
@@ -204,8 +231,18 @@ class TritonCompiles:
 
     def _after(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
         t0 = self._t0.pop(id(key), None)
-        self.items.append({"kernel": fn.name, "signature": repr,
-                           "s": None if t0 is None else time.perf_counter() - t0})
+        cls = self.classes(compile or {})
+        if not self.running:
+            self.before.setdefault(fn.name, []).append(cls)
+            return None
+        item = {"kernel": fn.name, "signature": repr, "s": None if t0 is None else time.perf_counter() - t0}
+        prior = self.before.get(fn.name)
+        if prior:  # the arguments whose class differs from the closest earlier compile
+            near = min(prior, key=lambda p: sum(p.get(k) != v for k, v in cls.items()))
+            item["differs"] = {k: f"{near.get(k)} -> {v}" for k, v in cls.items() if near.get(k) != v}
+        elif cls:
+            item["differs"] = "no compile of this kernel before the run"
+        self.items.append(item)
         return None
 
     def summary(self, keep: int = 20) -> dict:
@@ -233,6 +270,18 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
 
     ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
     each step's plan and measured time through it). Decode graphs are captured before the clock starts."""
+    tc = TritonCompiles().__enter__()  # from the warm-up on: in-run compiles are compared with the warm-up's
+    tc.running = False
+    try:
+        return _run_mode(trace, spec, mode, model, tc, device=device, seed=seed, sampling=sampling,
+                         time_ops=time_ops, tokenizer=tokenizer, progress=progress, warmup=warmup,
+                         dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs)
+    finally:
+        tc.__exit__(None, None, None)
+
+
+def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops, tokenizer, progress, warmup,
+              dynamic_keep, wrap, cuda_graphs):
     import torch
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -244,7 +293,6 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
     engine = spec.engine.with_(mode=mode)
     pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
     max_ctx = max_session_tokens(trace)
-    # the decode costs the cost model reads for this GPU preset: both make the same AOT split choice
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
                            decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name)))
@@ -264,7 +312,8 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         # a session has one turn in flight at a time, so no decode batch is larger than the session count
         exe.capture_graphs(max_ctx, max_batch=len({t.session_id for t in trace.turns}))
     g0 = dataclasses.replace(exe.graphs.stats) if exe.graphs is not None else None
-    with GcPauses() as gcp, TritonCompiles() as tc:
+    with GcPauses() as gcp:
+        tc.start()
         t = time.perf_counter()
         res = Cluster(trace, [(sched, wrap(exe) if wrap is not None else exe)], spec.router,
                       progress=progress).run()

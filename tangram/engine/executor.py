@@ -650,13 +650,15 @@ class Executor:
         one launch for all chunks (the raw window sums) and kvpress's finish batched (mean over the window's
         queries, pooling over the tokens before the window, the window kept); other methods chunk by chunk."""
         kp, H = cu.numel() - 1, self.cfg.num_kv_heads
-        CS = score_width(max_chunk)
+        # one width per engine (its chunk size), not per step: the selection kernel's block is a compile-time
+        # constant, and a step whose longest chunk fell in another power-of-two class compiled inside the run
+        CS = score_width(self.engine.chunk_size)
         spec, P = method_spec(self.engine.score_method), self.score_params
         c = st["pf_tokens"]
         W = P.window
         if spec.scorer == "snapkv" and int(c.min()) > W:
             raw = snapkv_scores_varlen(q, k, lse, cu, max_chunk, self.cache.head_to_slot[l], window=W,
-                                       sm_scale=self.scale)
+                                       sm_scale=self.scale, width=CS)
             return snapkv_finish_batched(raw, cu[1:] - cu[:-1], W, self.cfg.num_q_heads // H, P.kernel)
         out = torch.zeros((kp, H, CS), dtype=torch.float32, device=q.device)
         bounds = np.concatenate([[0], np.cumsum(c)])
