@@ -19,7 +19,8 @@ import numpy as np
 
 from tangram.budgets import constant_profile, head_groups, synthetic_profile
 from tangram.config import get_model
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.errors import ConfigError
+from tangram.cli import cli_main, parse
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
                              flashdecoding_num_splits)
 
@@ -137,9 +138,9 @@ def _parser():
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    a = parse_cli(_parser(), argv)
+    a = parse(_parser(), argv)
     d = Path(a.tables)
     costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra])
     costs.to_json(d / DecodeCosts.FILENAME, info)

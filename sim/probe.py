@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, InputError, cli_errors, parse_cli
+from tangram.errors import ConfigError, InputError
+from tangram.cli import cli_main, parse
 
 KIND = "tangram-probe"
 VERSION = 1
@@ -473,9 +474,9 @@ def run(a) -> dict:
     return probe
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    run(parse_cli(_parser(), argv))
+    run(parse(_parser(), argv))
     return 0
 
 

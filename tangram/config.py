@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from tangram.budgets import check_method_scope
+from tangram.budgets import METHODS, SCOPES, check_method_scope
 from tangram.errors import ConfigError
+from tangram.options import option
 from tangram.planner import pow2_bucket
 
 # --------------------------------------------------------------------------- models
@@ -147,34 +148,55 @@ class EngineConfig:
     by hand (e.g. tangram without clustering).
     """
 
-    mode: str = "tangram"
+    mode: str = "tangram"  # not an option: the deployment spec's ``modes`` (--mode) picks it
     page_size: int = 16
-    heads_per_group: int = 4
+    """tokens per KV page"""
+    heads_per_group: int = option(4, aliases=("--hp",))
+    """heads per group H_p of ragged paging (must divide the model's KV heads)"""
     alpha: float = 2.0
+    """safety margin of the static budgets, B = min(1, mu + alpha * sigma) (eq. 5)"""
     rho: float = 0.25
-    chunk_size: int = 2048
+    """target global retention ratio of the compression method, in (0, 1]"""
+    chunk_size: int = option(2048, aliases=("--chunk",))
+    """prefill chunk size in tokens"""
     max_batched_tokens: int = 8192
+    """token budget of one step"""
     max_num_seqs: int = 256
+    """most requests running at once"""
     gpu_memory_utilization: float = 0.90
+    """share of GPU memory the engine may use"""
     activation_reserve_bytes: int = 2 * GIB
-    kv_pool_bytes: int | None = None  # overrides the derivation from GPU memory
+    """bytes of GPU memory kept for activations"""
+    kv_pool_bytes: int | None = option(None, scaled=(("--kv-pool-gib", float(GIB), "GIB"),),
+                                       show="derived from GPU memory")
+    """KV pool size in bytes, overriding the derivation from GPU memory (--kv-pool-gib: in GiB)"""
     # switches (None = implied by mode)
-    budget_reservation: bool | None = None
-    ragged_paging: bool | None = None
-    aot_balancing: bool | None = None
+    budget_reservation: bool | None = option(None, show="by mode")
+    """Budget Reservation: reserve a turn's exact post-compression pages at admission"""
+    ragged_paging: bool | None = option(None, show="by mode")
+    """Ragged Paging: one page table per (layer, head group)"""
+    aot_balancing: bool | None = option(None, show="by mode")
+    """AOT load balancing: decode by the static split map"""
     clustering: bool = True
-    decode_partition: str | None = None  # "static" | "runtime" | "aot"
-    split_rounding: str = "round"  # Algorithm 1 rounding: "round" (paper) or "ceil"
-    n_cta_scale: float = 1.0  # multiplies the occupancy-derived N_CTA
-    session_cache: bool = True  # keep a session's compressed KV resident between turns
-    # pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
-    # in the engine and are priced as graph replays by the simulator; 0 = every step eager
+    """budget-aware clustering of heads into groups (else adjacent heads)"""
+    decode_partition: str | None = option(None, choices=("static", "runtime", "aot"),
+                                          show="by mode: aot for tangram, else static")
+    """how decode work is split into CTAs"""
+    split_rounding: str = option("round", choices=("round", "ceil"))
+    """Algorithm 1 rounding: round (the paper) or ceil"""
+    n_cta_scale: float = 1.0
+    """multiplies the occupancy-derived N_CTA"""
+    session_cache: bool = True
+    """keep a session's compressed KV resident between turns"""
     cuda_graph_max_bs: int = 64
-    # the compression method the engine scores chunks with (tangram.kernels.scoring) and the budget scope it runs
-    # under: dynamic mode selects by it (per-layer: each layer's top-k over its heads; cross-layer: one top-k over
-    # all layers of a chunk; uniform: each head's top-k), and the default profile is the one calibrated for it
-    score_method: str = "ada-snapkv"
-    budget_scope: str = "per-layer"
+    """pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
+    in the engine and are priced as graph replays by the simulator; 0 = every step eager"""
+    score_method: str = option("ada-snapkv", choices=METHODS)
+    """compression method the engine scores chunks with (tangram.kernels.scoring); the default profile is the
+    one calibrated for it"""
+    budget_scope: str = option("per-layer", choices=SCOPES)
+    """budget scope the method runs under: per-layer (each layer's top-k over its heads), cross-layer (one top-k
+    over all layers of a chunk) or uniform (each head's top-k)"""
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)

@@ -15,7 +15,8 @@ import pandas as pd
 
 from tangram.budgets import BudgetProfile, synthetic_profile
 from tangram.config import EngineConfig, get_model
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import cli_main
 from tangram.plan import StepResult
 from tangram.scheduler import Scheduler
 
@@ -61,7 +62,7 @@ def account(model_name: str, prompts: list[int], profile: BudgetProfile, *, rho:
     return df
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tangram-mem", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b")

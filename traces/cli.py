@@ -9,7 +9,7 @@ import json
 import math
 import sys
 
-from tangram.errors import cli_errors
+from tangram.cli import cli_main
 
 from .format import Trace, load_trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
@@ -276,7 +276,7 @@ def _cmd_stats(a) -> int:
     return 0
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if hasattr(a, "max_context"):

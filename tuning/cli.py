@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import cli_main
 from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
 
 DEFAULT_BOUND = 0.05
@@ -193,7 +194,7 @@ def run(args, argv: list[str]) -> int:
     return 0
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import cli_main
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import SCOPES, Mode
@@ -739,7 +740,7 @@ def write_report(res: dict, meta: dict, lists: dict, out: Path) -> None:
     (out / "report.md").write_text(markdown(res, agg, comps, meta, lists, curve_lines))
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lists = _resolve_lists(args)

@@ -20,7 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from tangram.errors import ConfigError, InputError, cli_errors
+from tangram.errors import ConfigError, InputError
+from tangram.cli import cli_main
 
 
 def _methods(text: str) -> list[str]:
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rhos = _rhos(args.rho)

@@ -38,7 +38,8 @@ from tangram.profiles.corpus import TASKS, Sample, answer_correct, build_corpus,
 from tangram.profiles.scoring import (ChunkScorer, budget_tokens, global_topk_mask, make_scorer,
                                          per_head_topk_mask)
 from tangram.engine.model import AttnEvent, Session, TorchAttention
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import cli_main
 
 OVERFLOW_MIN_CHUNK = 64
 
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
