@@ -7,7 +7,6 @@ Every number in the report is read from the tables and ``meta.json`` that
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from tangram.errors import InputError
-from tangram.cli import cli_main
+from tangram.cli import Parser, cli_main
 
 KERNEL_LABEL = {
     "tangram_aot": "Tangram AOT split map", "static_split": "(a) static num_splits, monolithic",
@@ -306,7 +305,7 @@ def build(calib: Path, out: Path, extra: list[tuple[str, Path]] = ()) -> Path:
 
 @cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--calib", default="sim/tables/h100")
     ap.add_argument("--out", default="reports/kernels")
     ap.add_argument("--extra-meta", action="append", default=[], metavar="LABEL=PATH",

@@ -219,6 +219,14 @@ class EngineConfig:
             raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.kv_pool_bytes is not None and self.kv_pool_bytes <= 0:
+            raise ConfigError(f"kv_pool_bytes must be > 0, got {self.kv_pool_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.activation_reserve_bytes < 0:
+            raise ConfigError(f"activation_reserve_bytes must be >= 0, got {self.activation_reserve_bytes}")
+        if not self.n_cta_scale > 0:
+            raise ConfigError(f"n_cta_scale must be > 0, got {self.n_cta_scale}")
         check_method_scope(self.score_method, self.budget_scope)
 
     # -- resolved switches

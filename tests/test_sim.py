@@ -503,27 +503,29 @@ def test_resolver_uses_shipped_profiles_and_a_profiles_method(tmp_path):
     others is rejected with the file and field."""
     from tangram.errors import InputError
     from tangram.profiles import default_profile_path
+    from tangram.cli import from_cli, parse
     from tangram.sim import cli
-    from tangram.spec import resolve
+
+    def spec_of(*argv):
+        return from_cli(parse(cli._parser(), [str(tr), *argv]))
 
     tr = tmp_path / "t.jsonl"
     save_trace(_trace(2, seed=1), tr)
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model": "smollm2-135m", "rho": 0.5, "score_method": "keydiff",
                                "budget_scope": "cross-layer", "heads_per_group": 3}))
-    r = resolve(cli._parser().parse_args([str(tr), "--config", str(cfg)]), "out")
+    spec = spec_of("--config", str(cfg))
     shipped = default_profile_path("smollm2-135m", "keydiff", "cross-layer", 0.5)
-    assert shipped is not None and shipped.name in r["profile_label"]
-    prof = r["spec"].profile
+    assert shipped is not None and shipped.name in spec.profile_label
+    prof = spec.profile
     assert (prof.method, prof.scope, prof.rho, prof.n_samples > 0) == ("keydiff", "cross-layer", 0.5, True)
-    r = resolve(cli._parser().parse_args([str(tr), "--rho", "0.3"]), "out")  # llama: nothing shipped
-    assert r["spec"].profile.synthetic and "synthetic" in r["profile_label"]
-    r = resolve(cli._parser().parse_args([str(tr), "--model", "smollm2-135m", "--hp", "3", "--profile",
-                                          str(shipped)]), "out")
-    assert (r["spec"].engine.score_method, r["spec"].engine.budget_scope) == ("keydiff", "cross-layer")
+    spec = spec_of("--rho", "0.3")  # llama: nothing shipped
+    assert spec.profile.synthetic and "synthetic" in spec.profile_label
+    spec = spec_of("--model", "smollm2-135m", "--hp", "3", "--profile", str(shipped))
+    assert (spec.engine.score_method, spec.engine.budget_scope) == ("keydiff", "cross-layer")
     cfg.write_text(json.dumps({"model": "smollm2-135m", "score_method": "tova", "heads_per_group": 3}))
     with pytest.raises(InputError, match="score_method"):
-        resolve(cli._parser().parse_args([str(tr), "--config", str(cfg), "--profile", str(shipped)]), "out")
+        spec_of("--config", str(cfg), "--profile", str(shipped))
 
 
 def test_every_shipped_profile_is_complete_and_labelled():

@@ -25,7 +25,6 @@ and configs) into one report, each config's prediction against the mean of every
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import ConfigError
-from tangram.cli import cli_main
+from tangram.cli import Parser, cli_main
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import SCOPES, Mode
@@ -50,7 +50,7 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tangram-accuracy", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="tangram-accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in DEFAULT_LENGTHS.items()),

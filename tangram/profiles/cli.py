@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from tangram.errors import ConfigError, InputError
-from tangram.cli import cli_main
+from tangram.cli import Parser, cli_main
 
 
 def _methods(text: str) -> list[str]:
@@ -73,7 +73,7 @@ def _rhos(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     from tangram.profiles.corpus import CORPORA, SPLITS
-    p = argparse.ArgumentParser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="model preset (tangram.config.MODELS)")
     p.add_argument("--weights", default="auto", help="auto | random | PATH.gguf | HF safetensors directory")
     p.add_argument("--tokenizer", default=None, help="GGUF file whose vocabulary to use (default: the weights' GGUF, "
