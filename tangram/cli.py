@@ -173,3 +173,23 @@ def from_cli(args: argparse.Namespace, config: str | None = None, **extra):
 
     path = config if config is not None else getattr(args, "config", None)
     return load(path, {**spec_overrides(args), **extra}, getattr(args, _DEFAULTS, None))
+
+
+def options_markdown() -> str:
+    """The options table of docs/configuration.md, generated from the option fields (a test keeps the doc equal)."""
+    from tangram.spec import ENGINE_OPTIONS, SPEC_OPTIONS
+
+    rows = ["| config key (old keys) | flags | default | group | what |", "|---|---|---|---|---|"]
+    for s in SPEC_OPTIONS + ENGINE_OPTIONS:
+        keys = ", ".join(f"`{k}`" for k in (s.name, *s.opt.keys))
+        flags = ", ".join(f"`{f}`" for f in s.flags + tuple(a for a, _, _ in s.opt.scaled))
+        if s.base is bool:
+            flags += f", `--no-{s.flag[2:]}`"
+        choices = f" ({' / '.join(map(str, s.opt.choices))})" if s.opt.choices else ""
+        cells = (keys, flags, s.shown_default(), s.opt.group, s.help + choices)
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

@@ -213,6 +213,21 @@ def test_decode_time_respects_bandwidth_bounds(batch, seed, part):
     assert np.isfinite(t) and t > 0
 
 
+@pytest.mark.parametrize("part", ["aot", "static", "runtime"])
+def test_decode_time_is_the_kv_bytes_from_the_model_shape_over_bandwidth(part):
+    """A bandwidth-bound decode step (128 requests x 8K tokens on every head) streams every kept K and V once:
+    its time is within launches and the merge of bytes / bandwidth, the bytes counted by hand from Llama-3.1-8B's
+    shape (2 x 128 dims x 2 bytes per token per KV head), never from the cost model's own constants (so a cost
+    model that halves the decode bytes fails here)."""
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=3)
+    cm = _cost(EngineConfig(mode="tangram", decode_partition=part), prof)
+    kd, ctx = 128, 8192
+    lens = np.full((kd, 32, 8), ctx)
+    kv_bytes = kd * 32 * 8 * ctx * (2 * 128 * 2)  # requests x layers x KV heads x tokens x (K+V) x dims x bf16
+    t, _ = cm._decode_attention(lens)
+    assert kv_bytes / cm.dec_bw <= t <= 1.25 * kv_bytes / cm.dec_bw + 32 * cm.dec_launch, (t, kv_bytes / cm.dec_bw)
+
+
 def _prefill_run(rho: float, seed: int) -> dict:
     eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
     prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)
