@@ -69,7 +69,7 @@ def test_editable_install_maps_folders():
 
 SCRIPTS = ["tangram-sim", "tangram-trace", "tangram-mem", "tangram-bench", "tangram-profile", "tangram-calibrate",
            "tangram-fidelity", "tangram-fit-engine", "tangram-fit-host", "tangram-probe",
-           "tangram-tune", "tangram-validate", "tangram-kernels-bench"]
+           "tangram-tune", "tangram-validate", "tangram-kernels-bench", "tangram-accuracy"]
 
 
 def test_console_scripts_are_declared_and_run():
