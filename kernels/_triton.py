@@ -80,3 +80,24 @@ if interpreting():
 
 
 __all__ = ["triton", "tl", "interpreting", "runs_triton", "cpu_reference"]
+
+
+@triton.jit
+def attend_block(q, k, v, ok, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One key block of a flash-attention loop (online softmax in base 2): scores of ``q`` on ``k`` where ``ok``,
+    then the running max ``m_i``, normaliser ``l_i`` and accumulator ``acc`` updated with ``v``. Shared by the
+    decode, prefill and batched-compression kernels (inlined by Triton)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc

@@ -34,7 +34,7 @@ import torch
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
 from tangram.planner import aot_n_cta  # noqa: F401 - re-exported for the benchmarks
-from tangram.kernels._triton import runs_triton, tl, triton
+from tangram.kernels._triton import attend_block, runs_triton, tl, triton
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -96,20 +96,7 @@ def _decode_split_kernel(
         off = page * stride_kvp + (offs_n % P) * stride_kvt
         k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, IEEE)
 
     if DIRECT:  # a single split per head: normalise and write the output here
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
-from tangram.kernels._triton import runs_triton, tl, triton
+from tangram.kernels._triton import attend_block, runs_triton, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -66,20 +66,7 @@ def _prefill_attn_kernel(
         off = page * stride_kvp + (offs_n % P) * stride_kvt
         k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(k_base + stride_kvkv + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, IEEE)
     # the chunk itself, causal
     hi = tl.minimum(c, (mb + 1) * BLOCK_M)
     for t in range(0, hi, BLOCK_N):
@@ -87,21 +74,8 @@ def _prefill_attn_kernel(
         mask_n = offs_n < c
         k = tl.load(KN + offs_n[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(VN + offs_n[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         ok = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, ok, m_i, l_i, acc, qk_scale, IEEE)
     o = acc / l_i[:, None]
     tl.store(OUT + offs_m[:, None] * stride_ot + qh * stride_oh + offs_d[None, :], o.to(OUT.dtype.element_ty),
              mask=mask_m[:, None])

@@ -145,12 +145,22 @@ def window_probs(q: torch.Tensor, k: torch.Tensor, lse2: torch.Tensor, w: int, s
 
 def snapkv_finish(raw: torch.Tensor, w: int, g: int, kernel: int) -> torch.Tensor:
     """SnapKV from the window's summed probabilities ``raw`` [H, c] (sum over w queries and g heads)."""
-    H, c = raw.shape
-    s = raw.float() / (w * g)
-    out = torch.full((H, c), INF, dtype=torch.float32, device=raw.device)
-    if c > w:
-        out[:, :c - w] = F.avg_pool1d(s[:, None, :c - w], kernel, stride=1, padding=kernel // 2)[:, 0]
-    return out
+    c = raw.shape[1]
+    return snapkv_finish_batched(raw[None], torch.tensor([c], device=raw.device), w, g, kernel)[0]
+
+
+def snapkv_finish_batched(raw: torch.Tensor, lengths: torch.Tensor, w: int, g: int, kernel: int) -> torch.Tensor:
+    """:func:`snapkv_finish` of ``kp`` chunks at once: ``raw`` [kp, H, CS] zero past each chunk's ``lengths[i]``.
+    Mean probability over the window's queries, average pooling (zero padded) over the tokens before the window,
+    the window itself kept (+inf), 0 past the chunk."""
+    CS = raw.shape[2]
+    cols = torch.arange(CS, device=raw.device)[None, None, :]
+    c = lengths.to(raw.device).long()[:, None, None]
+    before = cols < c - w  # the tokens before the window
+    s = (raw.float() / (w * g)).masked_fill(~before, 0.0)
+    s = F.avg_pool1d(s.reshape(-1, 1, CS), kernel, stride=1, padding=kernel // 2).view(s.shape)
+    s = s.masked_fill(~before & (cols < c), INF)
+    return s.masked_fill(cols >= c, 0.0)
 
 
 def tova_finish(raw_last: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -294,5 +304,5 @@ def scope_keep_mask(scores: torch.Tensor, rho: float, scope: str, method: str = 
 
 
 __all__ = ["ScoreParams", "Method", "REGISTRY", "METHODS", "SCOPES", "ENGINE_METHODS", "method_spec", "chunk_scores",
-           "engine_chunk_scores", "scope_keep_mask", "rank_desc", "snapkv_window", "window_probs", "snapkv_finish",
+           "engine_chunk_scores", "scope_keep_mask", "rank_desc", "snapkv_window", "window_probs", "snapkv_finish", "snapkv_finish_batched",
            "tova_finish", "keydiff_scores", "streaming_scores", "expected_attention_scores", "rope_cos_sin"]

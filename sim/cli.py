@@ -150,6 +150,7 @@ def run(args) -> dict:
                 if rp.get("note"):
                     m["replicas_note"] = rp["note"]
     common = {"trace": str(spec.trace_path), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
+              "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
               "slo": slo, "target_rate": spec.target_rate}
     common["accuracy"] = accuracy_label

@@ -54,6 +54,12 @@ class CostParams:
     # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the tables folder
     # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
     engine_overhead: bool = True
+    # tensor parallelism's ring model (sim/tp.py) when the tables folder has no allreduce.csv for the degree:
+    # NCCL's ring all-reduce reaches ~80% of the NVLink per-direction bandwidth as bus bandwidth at large sizes,
+    # and ~10 us for a small message between two GPUs of one host (assumptions, not fits: run
+    # ``python -m tangram.sim.fit_allreduce`` on the machine to replace them)
+    allreduce_bw_eff: float = 0.80
+    allreduce_latency_s: float = 10e-6
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,7 @@ class CostModel:
             self.sources[f"elementwise_{op}"] = "table:elementwise.csv" if f is not None else "roofline: bytes / BW"
         self.sources["sampling"] = self.sources.pop("elementwise_sampling")
         self._dense_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self.shards = 1  # ranks one replica's dense layers are split over (TPCostModel: the TP degree)
         self._row_tables: dict[tuple[str, str], np.ndarray] = {}
 
         # -- prefill attention + compression scoring/selection/scatter
@@ -358,28 +365,22 @@ class CostModel:
         hit = self._dense_cache.get(key)
         if hit is not None:
             return hit
-        m, p = self.model, self.params
-        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+        m, p, sh = self.model, self.params, self.shards
+        bw = self.gpu.mem_bandwidth * p.roofline_bw_eff
         g = 0.0
         for op in GEMM_OPS + ("lm_head",):
             rows = tokens if op != "lm_head" else logit_rows
-            if rows == 0:
-                continue
-            reps = m.num_layers if op != "lm_head" else 1
-            f = self._gemm_interp[op]
-            if f is not None:
-                t = self._table_time(("gemm", op), f, rows)
-            else:
-                n, k = self.gemm_shapes[op]
-                t = max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
-            g += reps * t
+            if rows:
+                g += (m.num_layers if op != "lm_head" else 1) * self._gemm_time(op, rows)
         e = 0.0
-        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim,
-                   "silu_mul": 3 * m.intermediate}
+        # element-wise work per token; with tensor parallelism RoPE and SiLU*up run on the rank's shard only
+        per_tok = {"rmsnorm": 2 * 2 * m.hidden, "rope": 2 * 2 * (m.num_q_heads + m.num_kv_heads) * m.head_dim / sh,
+                   "silu_mul": 3 * m.intermediate / sh}
         for op, elems in per_tok.items():
             reps = m.num_layers * (2 if op == "rmsnorm" else 1)
             f = self._elem[op]
-            t = self._table_time(("elem", op), f, tokens) if f is not None else \
+            share = 1.0 if op == "rmsnorm" else 1.0 / sh
+            t = self._table_time(("elem", op), f, tokens) * share if f is not None else \
                 tokens * elems * m.dtype_bytes / bw + p.kernel_launch_s
             e += reps * t
         if logit_rows:  # sampling over the vocabulary, once per step
@@ -388,6 +389,18 @@ class CostModel:
                 logit_rows * m.vocab * 4 * 2 / bw + p.kernel_launch_s
         self._dense_cache[key] = (g, e)
         return g, e
+
+    def _gemm_time(self, op: str, rows: int) -> float:
+        """One call of GEMM ``op`` on ``rows`` tokens: the table, else the roofline of its shape."""
+        f = self._gemm_interp[op]
+        if f is not None:
+            return self._table_time(("gemm", op), f, rows)
+        return self._gemm_roofline(*self.gemm_shapes[op], rows)
+
+    def _gemm_roofline(self, n: int, k: int, rows: int) -> float:
+        m, p = self.model, self.params
+        peak, bw = self.gpu.bf16_flops * p.roofline_gemm_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
+        return max(2.0 * rows * n * k / peak, (n * k + rows * k + rows * n) * m.dtype_bytes / bw) + p.kernel_launch_s
 
     def _table_time(self, key, f, rows: int) -> float:
         """``f(rows)`` of a table interpolant, read from its values at every size 0..n-1 computed in one call
@@ -481,18 +494,21 @@ class CostModel:
 
     def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:
         """Per-chunk terms of prefill attention and compression (summed per step by :meth:`_prefill_sum`); a run
-        of steps evaluates the table interpolant once for all its chunks."""
+        of steps evaluates the table interpolant once for all its chunks. ``head_lens`` may hold a subset of the
+        KV heads (one tensor-parallel rank's, ``sim/tp.py``): the table, measured on all heads, is read at the
+        subset's retained tokens scaled to all heads and its time taken in the subset's share."""
         m, p = self.model, self.params
-        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        L, H, d = m.num_layers, head_lens.shape[-1], m.head_dim
+        share = H / m.num_kv_heads
         c = tokens.astype(np.float64)
         cached = head_lens.reshape(c.size, -1).sum(axis=1).astype(np.float64)  # head-tokens, all layers
-        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1)}
+        out = {"c": c, "kept": keep.reshape(c.size, -1).sum(axis=1), "H": H}
         if self._prefill is not None:
-            v = self._prefill(c, cached / L)
-            out["att"] = v["attention_ms"]
+            v = self._prefill(c, cached / (L * share))
+            out["att"] = v["attention_ms"] * share
             if self.compress and "score_ms" in v:
                 sel = "select_dynamic_ms" if retention == "global" and "select_dynamic_ms" in v else "select_ms"
-                out["comp"] = [v[k] for k in ("score_ms", sel, "scatter_ms") if k in v]
+                out["comp"] = [v[k] * share for k in ("score_ms", sel, "scatter_ms") if k in v]
         else:
             peak, bw = self.gpu.bf16_flops * p.roofline_attn_eff, self.gpu.mem_bandwidth * p.roofline_bw_eff
             flops = 4.0 * d * self.gq * c * (cached + L * H * c / 2)
@@ -503,7 +519,7 @@ class CostModel:
     def _prefill_sum(self, rows: dict, sl: slice) -> tuple[float, float]:
         """Prefill attention and compression seconds of the chunks ``rows[sl]`` (one step's)."""
         m, p = self.model, self.params
-        L, H, d = m.num_layers, m.num_kv_heads, m.head_dim
+        L, H, d = m.num_layers, rows["H"], m.head_dim
         c = rows["c"][sl]
         comp = 0.0
         if "att" in rows:

@@ -3,24 +3,40 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from tangram.config import EngineConfig, kv_pool_bytes
 from tangram.harness import ClusterResult, replay
 from tangram.harness import capacity_search as _search
 from tangram.harness.capacity import replicas_search as _replicas_search
 from tangram.harness.slo import SLOMonitor
+from tangram.paging import KVLayout
 from tangram.scheduler import Scheduler
 from tangram.spec import DeploymentSpec
 
 from .costmodel import CostModel, CostParams
+from .tp import TPCostModel, tp_pool_bytes
 from .tables import resolve as resolve_tables
 
 
 def build_replica(spec: DeploymentSpec, engine: EngineConfig, idx: int) -> tuple[Scheduler, CostModel]:
-    pool = kv_pool_bytes(spec.model, spec.gpu, engine)
+    """One replica: the shared scheduler and its cost model (``engine.tp`` GPUs: :class:`TPCostModel` and the
+    pool of :func:`tp_pool_bytes`)."""
+    if engine.tp > 1:
+        m = spec.model
+        prof = spec.profile.with_alpha(engine.alpha) if spec.profile is not None else None
+        ones = np.ones((m.num_layers, m.num_kv_heads))
+        lay = KVLayout.build(m, engine, prof.B if prof is not None else ones)  # the scheduler's layout
+        # what a request keeps per head (full: everything; uniform: rho; static and dynamic: the budgets)
+        keep = {"full": ones, "uniform": ones * engine.rho}.get(engine.retention, prof.B if prof is not None else ones)
+        pool = tp_pool_bytes(m, spec.gpu, engine, lay, keep)
+    else:
+        pool = kv_pool_bytes(spec.model, spec.gpu, engine)
     sched = Scheduler(spec.model, engine, spec.profile, pool_bytes=pool)
     tables = resolve_tables(spec.tables, spec.gpu, spec.probe) if spec.probe else spec.tables  # cached per probe
-    cm = CostModel(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=tables,
-                   params=CostParams(engine_overhead=spec.engine_overhead), seed=spec.seed * 1009 + idx)
+    cls = TPCostModel if engine.tp > 1 else CostModel
+    cm = cls(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=tables,
+             params=CostParams(engine_overhead=spec.engine_overhead), seed=spec.seed * 1009 + idx)
     return sched, cm
 
 

@@ -112,14 +112,17 @@ def _selected(options: Iterable[str]):
 
 
 def add_options(parser: argparse.ArgumentParser, options: Iterable[str], *, skip: Iterable[str] = (),
-                trace: str = "positional", defaults: Mapping[str, object] | None = None) -> None:
+                trace: str = "positional", defaults: Mapping[str, object] | None = None,
+                show: Mapping[str, str] | None = None) -> None:
     """Add a flag per option of ``options`` (group names of :data:`GROUPS` or option names), but ``skip``.
     ``trace`` is how the tool takes its trace: ``positional`` (an optional TRACE), ``required`` (a TRACE) or
-    ``flag`` (``--trace``). ``defaults`` are the tool's own defaults (below a config file's values)."""
+    ``flag`` (``--trace``). ``defaults`` are the tool's own defaults (below a config file's values); ``show`` says
+    how the tool decides an option left out, where that is no single value (tangram-placement's H_p: all heads of
+    a rank, per TP degree)."""
     from tangram.spec import OPTIONS
 
-    skip, defaults = set(skip), dict(defaults or {})
-    for name in defaults:
+    skip, defaults, show = set(skip), dict(defaults or {}), dict(show or {})
+    for name in (*defaults, *show):
         if name not in OPTIONS:
             raise ValueError(f"unknown option {name!r}")
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -127,8 +130,10 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[str], *, skip
         if s.name in skip:
             continue
         g = groups.get(group) or groups.setdefault(group, parser.add_argument_group(GROUPS[group]))
-        helptext = _help(s) if s.name not in defaults else \
-            f"{s.help} (default: {defaults[s.name]})".replace("%", "%%")
+        if s.name in defaults or s.name in show:
+            helptext = f"{s.help} (default: {defaults.get(s.name, show.get(s.name))})".replace("%", "%%")
+        else:
+            helptext = _help(s)
         dest = DEST + s.name
         if s.name == "trace" and trace in ("positional", "required"):
             g.add_argument(dest, nargs=None if trace == "required" else "?", metavar="TRACE",
@@ -151,15 +156,35 @@ def add_options(parser: argparse.ArgumentParser, options: Iterable[str], *, skip
 
 
 def spec_parser(prog: str, description: str | None, options: Iterable[str], *, trace: str = "positional",
-                config: bool = True, skip: Iterable[str] = (), defaults: Mapping[str, object] | None = None) -> Parser:
+                config: bool = True, skip: Iterable[str] = (), defaults: Mapping[str, object] | None = None,
+                show: Mapping[str, str] | None = None) -> Parser:
     """A :class:`Parser` with the spec's flags of ``options`` (see :func:`add_options`) and ``--config``."""
     p = Parser(prog=prog, description=(description or "").split("\n\n")[0])
-    add_options(p, options, skip=skip, trace=trace, defaults=defaults)
+    add_options(p, options, skip=skip, trace=trace, defaults=defaults, show=show)
     if config:
         p.add_argument("--config", metavar="FILE",
                        help="JSON config file: the deployment spec's options and EngineConfig fields, flat (as "
                             "tangram-tune writes its best configuration); options on the command line override it")
     return p
+
+
+def add_sweep(parser: argparse.ArgumentParser, name: str, what: str, default: Iterable | None = None) -> None:
+    """A flag taking several values of option ``name``, for a tool that compares or searches them (tangram-tune
+    ``--tp 1 2``, tangram-placement): the option's own flag, type check and choices, and its default alone
+    unless the tool names other ``default`` values. The values land in ``args.<name>`` as a list; the flag is the
+    tool's dimension, not the spec option (which such a tool does not take: the spec's flag would clash)."""
+    from tangram.options import check
+    from tangram.spec import OPTIONS
+
+    s = OPTIONS[name]
+    default = [s.default] if default is None else list(default)
+    for v in default:  # a tool's default is checked like a value given
+        check(s, v, text=False)
+    meta = s.opt.metavar or (("{" + ",".join(map(str, s.opt.choices)) + "}") if s.opt.choices else
+                             {int: "N", float: "X"}.get(s.base, s.name.upper()))
+    parser.add_argument(s.flag, dest=name, nargs="+", type=_typed(s), default=default, metavar=meta,
+                        help=f"{what}: one or more values of the {s.name} option (docs/configuration.md; "
+                             f"default: {' '.join(map(str, default))})".replace("%", "%%"))
 
 
 def spec_overrides(args: argparse.Namespace) -> dict[str, object]:

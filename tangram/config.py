@@ -105,6 +105,8 @@ class GPUConfig:
     regs_per_sm: int = 65536
     max_threads_per_sm: int = 2048
     max_blocks_per_sm: int = 32
+    # NVLink bandwidth per direction between two GPUs of one host (bytes/s): tensor parallelism's all-reduce
+    nvlink_bandwidth: float = 450e9
 
     @property
     def family(self) -> str:
@@ -116,7 +118,8 @@ GIB = 1024**3
 GPUS: dict[str, GPUConfig] = {
     g.name: g
     for g in [
-        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2;
+        # NVIDIA H100 SXM5 80GB datasheet: 80 GB HBM3, 3.35 TB/s, 132 SMs, 989 TFLOP/s dense bf16, 50 MB L2,
+        # NVLink 4 900 GB/s bidirectional (450 GB/s per direction; the H200 alike);
         # compute capability 9.0: 228 KiB of shared memory per SM for blocks (what torch reports on the H100 of
         # sim/tables/h100/meta.json), 64K registers, 2048 threads and 32 blocks per SM (the H200 alike).
         GPUConfig("h100-80gb", 80 * 10**9, 3.35e12, 132, 989e12, 50 * 2**20),
@@ -125,7 +128,9 @@ GPUS: dict[str, GPUConfig] = {
         # NVIDIA A100 SXM4 80GB datasheet: 80 GB HBM2e, 2.039 TB/s, 108 SMs, 312 TFLOP/s dense bf16, 40 MB L2;
         # CUDA programming guide (compute capability 8.0): 164 KiB of shared memory per SM for blocks, 64K
         # registers, 2048 threads and 32 blocks per SM.
-        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936),
+        # NVLink 3: 600 GB/s bidirectional.
+        GPUConfig("a100-80gb", 80 * 10**9, 2.039e12, 108, 312e12, 40 * 2**20, smem_per_sm=167936,
+                  nvlink_bandwidth=300e9),
     ]
 }
 
@@ -137,6 +142,8 @@ MODE_ALIASES = {"br+rp+aot": "tangram", "vllm": "full", "br_rp": "br+rp"}
 # Reservation, then Ragged Paging, then AOT load balancing (= tangram). ``dynamic`` (the non-uniform method run
 # as published: over-allocate, compress, reclaim) is the comparison of Figure 11, not a step of this chain.
 ABLATION_MODES = ("full", "br", "br+rp", "tangram")
+# tensor parallelism's KV-head placements (tangram.placement): the Megatron split, budget-balanced head groups
+PLACEMENTS = ("contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,13 @@ class EngineConfig:
     budget_scope: str = option("per-layer", choices=SCOPES)
     """budget scope the method runs under: per-layer (each layer's top-k over its heads), cross-layer (one top-k
     over all layers of a chunk) or uniform (each head's top-k)"""
+    tp: int = 1
+    """tensor-parallel GPUs per replica (issue 16), each holding H/tp KV heads of every layer and 1/tp of the
+    weights (must divide the model's KV heads, query heads, intermediate size and vocabulary; H_p must divide a
+    rank's heads); --replicas and --target-rate count replicas of tp GPUs"""
+    placement: str = option("balanced", choices=PLACEMENTS)
+    """which KV heads each rank holds under tp > 1 (tangram.placement): contiguous (the Megatron split) or
+    balanced (budget-balanced head groups per rank)"""
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -228,6 +242,10 @@ class EngineConfig:
         if not self.n_cta_scale > 0:
             raise ConfigError(f"n_cta_scale must be > 0, got {self.n_cta_scale}")
         check_method_scope(self.score_method, self.budget_scope)
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp (tensor-parallel degree) must be an integer >= 1, got {self.tp!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement must be {' or '.join(PLACEMENTS)}, got {self.placement!r}")
 
     # -- resolved switches
     @property
@@ -285,13 +303,18 @@ class EngineConfig:
 
 
 def kv_pool_bytes(model: ModelConfig, gpu: GPUConfig, engine: EngineConfig) -> int:
-    """Bytes left for the KV cache: a share of device memory minus weights and activations."""
+    """Bytes left for the KV cache on one GPU: a share of device memory minus its weights and activations. Under
+    tensor parallelism a GPU holds ``1/tp`` of the weights (every matrix is sharded: q/k/v and gate/up by
+    column, o and down by row, the embedding and lm_head by vocabulary), and this is one rank's pool."""
     if engine.kv_pool_bytes is not None:
         return int(engine.kv_pool_bytes)
-    free = gpu.memory_bytes * engine.gpu_memory_utilization - model.weight_bytes() - engine.activation_reserve_bytes
+    w = model.weight_bytes() / engine.tp
+    free = gpu.memory_bytes * engine.gpu_memory_utilization - w - engine.activation_reserve_bytes
     if free <= 0:
+        tp = f" / tp {engine.tp}" if engine.tp > 1 else ""
         raise ConfigError(
-            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights) leaves no KV memory on {gpu.name}")
+            f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights{tp}) leaves no KV memory on "
+            f"{gpu.name}")
     return int(free)
 
 
@@ -333,6 +356,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES",
+    "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES", "PLACEMENTS",
     "get_model", "get_gpu", "gpu_for_device_name", "kv_pool_bytes", "divisors", "ceil_div",
 ]

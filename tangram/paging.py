@@ -19,6 +19,7 @@ import numpy as np
 from tangram.budgets import BudgetProfile, check_group_size, head_groups
 from tangram.config import EngineConfig, ModelConfig
 from tangram.errors import ConfigError
+from tangram.placement import check_tp, slot_perm
 
 
 class OutOfPages(Exception):
@@ -35,19 +36,44 @@ class KVLayout:
     heads_per_group: int  # H_p; the monolithic layout uses H (and one table for all layers)
     ragged: bool
     perm: np.ndarray  # [L, H] slot -> KV head
+    tp: int = 1  # tensor-parallel ranks; slots are rank-major: rank r owns slots r*H/tp .. (r+1)*H/tp - 1
 
     @classmethod
     def build(cls, model: ModelConfig, engine: EngineConfig, budgets: np.ndarray | None = None) -> "KVLayout":
         L, H = model.num_layers, model.num_kv_heads
+        tp = engine.tp
         if engine.ragged:
             check_group_size(H, engine.heads_per_group)
             if budgets is None:
                 raise ConfigError("ragged paging needs a budget profile to group heads")
-            perm = head_groups(budgets, engine.heads_per_group, clustered=engine.clustering)
+            if tp > 1:  # rank-major slots, each rank's heads grouped on their own (tangram.placement)
+                perm = slot_perm(budgets, tp, engine.heads_per_group, engine.clustering, engine.placement)
+            else:
+                perm = head_groups(budgets, engine.heads_per_group, clustered=engine.clustering)
             hp = engine.heads_per_group
         else:
-            perm, hp = np.tile(np.arange(H), (L, 1)), H
-        return cls(L, H, model.head_dim, model.dtype_bytes, engine.page_size, hp, engine.ragged, perm)
+            check_tp(H, tp)
+            hp = H
+            if tp > 1 and budgets is not None:  # a page spans every head; the placement only picks the shards
+                perm = slot_perm(budgets, tp, H // tp, False, engine.placement)
+            else:
+                perm = np.tile(np.arange(H), (L, 1))
+        return cls(L, H, model.head_dim, model.dtype_bytes, engine.page_size, hp, engine.ragged, perm, tp)
+
+    def rank_slots(self, rank: int) -> slice:
+        """The slots (heads) rank ``rank`` of ``tp`` holds."""
+        hr = self.num_kv_heads // self.tp
+        return slice(rank * hr, (rank + 1) * hr)
+
+    def rank_layout(self, rank: int) -> "KVLayout":
+        """What one rank's pool looks like: its ``H/tp`` heads (slot order kept, ``perm`` into its own heads, which
+        its weight shards hold in slot order); a monolithic page of a rank spans its heads only."""
+        if self.tp == 1:
+            return self
+        hr = self.num_kv_heads // self.tp
+        ident = np.tile(np.arange(hr), (self.num_layers, 1))
+        hp = self.heads_per_group if self.ragged else hr
+        return KVLayout(self.num_layers, hr, self.head_dim, self.dtype_bytes, self.page_size, hp, self.ragged, ident)
 
     @property
     def n_groups(self) -> int:

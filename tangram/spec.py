@@ -21,6 +21,7 @@ from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
 from tangram.harness.slo import parse_slo
 from tangram.options import Spec, check, finish, option, options_of
+from tangram.placement import check_tp
 
 RAGGED_MODES = ("br+rp", "tangram")
 
@@ -268,9 +269,15 @@ def _build(given: dict, where: dict, path: str | None) -> DeploymentSpec:
     kw = {s.name: vals[s.name] for s in SPEC_OPTIONS if s.name in vals}
     model = kw.pop("model", None) or get_model(OPTIONS["model"].default)
     gpu = kw.pop("gpu", None) or get_gpu(OPTIONS["gpu"].default)
-    if engine.ragged_paging or any(m in RAGGED_MODES for m in (modes or MODES)):
-        if model.num_kv_heads % engine.heads_per_group:
-            raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
+    ragged = engine.ragged_paging or any(m in RAGGED_MODES for m in (modes or MODES))
+    if ragged and model.num_kv_heads % engine.heads_per_group:
+        raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
+    if engine.tp > 1:  # equal KV heads per rank, whole head groups per rank (tangram.placement.check_tp)
+        check_tp(model.num_kv_heads, engine.tp, engine.heads_per_group if ragged else None)
+        for what, v in (("query heads", model.num_q_heads), ("intermediate size", model.intermediate),
+                        ("vocabulary", model.vocab)):
+            if v % engine.tp:
+                raise ConfigError(f"--tp {engine.tp} must divide {model.name}'s {what} ({v})")
     prof_path = kw.pop("profile", None)
     if prof_path:
         profile = BudgetProfile.load(prof_path)

@@ -260,6 +260,39 @@ def test_full_cache_solves_easy_instances_and_keep_all_modes_equal_it(smollm2):
     assert r.top1[1] == 1.0
 
 
+def test_kvzip_modes_in_the_batched_evaluation_equal_a_one_sequence_reference(smollm2):
+    """KVzip runs a repeat forward after each chunk: in the report's batched evaluation (shared first chunk,
+    forked rows, the repeat fed to every row) the KL of two kvzip rows equals a batch-1 reference on the
+    reference backend that scores, selects and evicts chunk by chunk with one scorer."""
+    from tangram.engine.model import Session, TorchAttention
+    from tangram.profiles.evaluate import Mode, evaluate_sample
+    from tangram.profiles.scoring import make_scorer
+    model, tok = smollm2
+    L = model.cfg.num_layers
+    dec = lambda i: tok.decode(i, skip_special=True)  # noqa: E731
+    s = make_text("heldout", 3, 90, 6, encode=tok.encode, decode=dec)
+    ids, cont = s.meta["context_ids"], s.meta["continuation_ids"]
+    modes = [Mode("full"), Mode("dynamic", "kvzip", "per-layer", 0.5), Mode("dynamic", "kvzip", "per-layer", 0.25)]
+    r = evaluate_sample(model, modes, [(ids, None)], chunk=40, batch=2, continuation=cont, tokenizer=tok)
+    full = torch.log_softmax(Session(model).forward(ids + cont)[len(ids):].float(), -1)
+    for i, m in enumerate(modes[1:], 1):
+        sc = make_scorer("kvzip", L, tokenizer=tok)
+        sess = Session(model, TorchAttention(model.cfg, observers=[sc]))
+        for a in range(0, len(ids), 40):
+            piece = ids[a:a + 40]
+            sess.forward(piece, last_only=True)
+            if len(piece) >= sc.min_tokens:
+                sc.after_chunk(sess, piece)
+                mask = m.select(sc.take()[:, 0])
+                for l in range(L):
+                    sess.backend.evict(l, a, mask[l][None])
+        sc.enabled = False
+        lp = torch.log_softmax(sess.forward(cont).float(), -1)
+        kl = float((full.exp() * (full - lp)).sum(-1).mean())
+        assert r.kl[i] == pytest.approx(kl, rel=1e-3, abs=1e-5)
+    assert r.kl[2] > r.kl[1] > 0  # keeping less moves the distribution further
+
+
 def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
     from tangram.profiles.accuracy_report import main
     out = tmp_path / "acc"

@@ -68,7 +68,7 @@ def test_editable_install_maps_folders():
 
 
 SCRIPTS = ["tangram-sim", "tangram-trace", "tangram-mem", "tangram-bench", "tangram-profile", "tangram-calibrate",
-           "tangram-fidelity", "tangram-fit-engine", "tangram-fit-host", "tangram-probe",
+           "tangram-fidelity", "tangram-fit-engine", "tangram-fit-host", "tangram-probe", "tangram-placement",
            "tangram-tune", "tangram-validate", "tangram-kernels-bench", "tangram-accuracy"]
 
 

@@ -77,7 +77,8 @@ def test_tova_matches_float64_reference(c):
 def test_keydiff_matches_float64_reference():
     gen = torch.Generator().manual_seed(_seed())
     q, k, v, lse = _case(gen, 19)
-    assert_scores_close(chunk_scores("keydiff", q, k, v, None, pos0=0), R.ref_keydiff_chunk(k))
+    # fp32 cosines of unit vectors: absolute error up to a few fp32 ulps of 1 (values near 0 fail a relative bound)
+    assert_scores_close(chunk_scores("keydiff", q, k, v, None, pos0=0), R.ref_keydiff_chunk(k), atol=1e-6)
 
 
 @pytest.mark.parametrize("pos0,c", [(0, 13), (2, 13), (300, 9)])
@@ -193,8 +194,9 @@ def test_scope_masks():
     assert int(cross.sum()) == math.ceil(rho * L * H * T)  # the total keeps rho ...
     assert s[cross].min() >= s[~cross].max()  # ... with one threshold over everything ...
     means = cross.float().mean(dim=(1, 2))
-    # ... so strong layers take the budget of weak ones: threshold ~1.07, layer means 0.73, 0, 0, 0.47
-    assert means[0] > means[3] > rho > means[1] == means[2] == 0.0
+    # ... so strong layers take the budget of weak ones (threshold ~1: layer 1's scores, uniform on [0, 1], may
+    # reach it on some draws; layer 2's, at most 0.25, never: layers 0 and 3 alone hold > 180 scores above 0.25)
+    assert means[0] > means[3] > rho > means[1] >= means[2] == 0.0
     uni = scope_keep_mask(s, rho, "uniform")
     assert (uni.sum(-1) == math.ceil(rho * T)).all()
     pyr = scope_keep_mask(s, rho, "per-layer", "pyramidkv")

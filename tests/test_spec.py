@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _tools() -> dict[str, argparse.ArgumentParser]:
     """Every tool's parser that takes spec options."""
-    from tangram import memory
+    from tangram import memory, placement
     from tangram.engine import bench
     from tangram.sim import cli as sim_cli
     from tangram.sim import fit_engine
@@ -29,7 +29,7 @@ def _tools() -> dict[str, argparse.ArgumentParser]:
 
     return {"tangram-sim": sim_cli._parser(), "tangram-bench": bench._parser(), "tangram-mem": memory._parser(),
             "tangram-tune": tune_cli._parser(), "tangram-validate": validate._parser(),
-            "tangram-fit-engine": fit_engine._parser()}
+            "tangram-fit-engine": fit_engine._parser(), "tangram-placement": placement._parser()}
 
 
 def test_every_config_field_is_an_option_with_help():
@@ -72,17 +72,18 @@ def test_flags_and_config_keys_give_the_same_spec(tmp_path):
     """The same options through flags (old spellings included) and through a config file (old keys included)."""
     argv = ["--hp", "2", "--alpha", "1", "--chunk", "512", "--max-batched-tokens", "4096", "--kv-pool-gib", "1.5",
             "--no-clustering", "--calibration", "none", "--mode", "tangram", "--seed", "3", "--no-engine-overhead",
-            "--score-method", "keydiff", "--rho", "0.5"]
+            "--score-method", "keydiff", "--rho", "0.5", "--tp", "2", "--placement", "contiguous"]
     a = from_cli(parse(_tools()["tangram-sim"], argv))
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"heads_per_group": 2, "alpha": 1, "chunk_size": 512, "max_batched_tokens": 4096,
                                "kv_pool_bytes": int(1.5 * GIB), "clustering": False, "calibration": "none",
                                "mode": "tangram", "seed": 3, "engine_overhead": False, "score_method": "keydiff",
-                               "rho": 0.5}))
+                               "rho": 0.5, "tp": 2, "placement": "contiguous"}))
     b = load(cfg)
     assert a.engine == b.engine == EngineConfig(mode="tangram", heads_per_group=2, alpha=1.0, chunk_size=512,
                                                 max_batched_tokens=4096, kv_pool_bytes=int(1.5 * 2**30),
-                                                clustering=False, score_method="keydiff", rho=0.5)
+                                                clustering=False, score_method="keydiff", rho=0.5, tp=2,
+                                                placement="contiguous")
     assert (a.tables, a.seed, a.engine_overhead, a.modes) == (b.tables, b.seed, b.engine_overhead, b.modes) == \
         (None, 3, False, ("tangram",))
 
@@ -161,3 +162,32 @@ def test_configuration_doc_lists_the_generated_options():
 
     assert options_markdown() in (ROOT / "docs" / "configuration.md").read_text(), \
         "docs/configuration.md is stale: regenerate its table with python -m tangram.cli"
+
+
+def test_sweep_flags_take_the_options_type_choices_and_default(capsys):
+    """tangram-tune's --tp/--placement (the degrees and placements searched) are EngineConfig's tp and placement
+    options taking several values: the same type check and choices, EngineConfig's default when absent."""
+    p = _tools()["tangram-tune"]
+    a = parse(p, [])
+    assert (a.tp, a.placement) == ([EngineConfig().tp], [EngineConfig().placement]) == ([1], ["balanced"])
+    a = parse(p, ["--tp", "1", "2", "--placement", "contiguous", "balanced"])
+    assert (a.tp, a.placement) == ([1, 2], ["contiguous", "balanced"])
+    for argv, needle in ((["--tp", "1", "1.5"], "argument --tp: expected an integer, got '1.5'"),
+                         (["--placement", "random"], "argument --placement: expected one of contiguous, balanced")):
+        with pytest.raises(SystemExit) as e:
+            parse(p, argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and err.count("\n") == 1, (argv, err)
+
+
+def test_placement_tool_groups_a_ranks_heads_unless_hp_is_given(capsys):
+    """tangram-placement without --hp groups all KV heads of a rank: 8 KV heads of Llama-3.1-8B over 2 and 4 ranks
+    are groups of 4 and 2; --hp 1 (a generated flag) applies to every degree."""
+    from tangram.placement import main
+
+    for argv, hps in ((["--tp", "2", "4"], [4, 2]), (["--tp", "2", "4", "--hp", "1"], [1, 1])):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", "llama-3.1-8b", "--context", "1024", "--json", *argv])
+        assert e.value.code == 0
+        rows = json.loads(capsys.readouterr().out)["rows"]
+        assert [(r["tp"], r["hp"]) for r in rows] == [(2, hps[0]), (2, hps[0]), (4, hps[1]), (4, hps[1])]

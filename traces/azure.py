@@ -19,8 +19,8 @@ from datetime import datetime, timezone
 
 from tangram.errors import InputError
 
-from .format import Trace, Turn, default_request_id
-from .importing import ImportReport, check_policy, iter_csv, parse_int, zero_tokens
+from .format import Trace
+from .importing import ImportReport, check_policy, iter_csv, one_turn_sessions, parse_int, zero_tokens
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _FRACTION = re.compile(r"(\.\d{6})\d+")  # keep microseconds: 2023 rows have 7 fractional digits
@@ -68,20 +68,9 @@ def import_azure(path: str | os.PathLike, *, zero: str = "skip", limit: int | No
                 continue
             meta = {"x_line": line, **{_meta_key(h): row[h] for h in extra}}
             rows.append((ts, ctx, gen, meta))
-    if not rows:
-        raise InputError(p, None, None, "no importable rows (empty trace, or every row skipped: "
-                                        + "; ".join(rep.lines()) + ")")
-    late = sum(1 for a, b in zip(rows, rows[1:]) if b[0] < a[0])
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    turns = []
-    for i, (ts, ctx, gen, meta) in enumerate(rows):
-        sid = f"az{i}"
-        arrival = round((ts - t0).total_seconds(), 6)
-        turns.append(Turn(default_request_id(sid, 0), sid, 0, arrival, 0.0, ctx, gen, meta=meta))
+    turns = one_turn_sessions(rows, "az", rep, p, "skipped")
+    t0 = rows[0][0]  # sorted by time now
     rep.facts.update({"requests": len(turns), "sessions": len(turns),
                       "arrival_span_s": turns[-1].arrival_s, "t0": t0.isoformat(sep=" ")})
-    if late:
-        rep.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
     rep.notes.append("no session or prefix data in this format: every request is a one-turn session")
     return Trace(turns, f"azure:{p}")

@@ -21,8 +21,8 @@ import os
 from tangram.errors import ConfigError, InputError
 
 from .azure import _meta_key
-from .format import Trace, Turn, default_request_id
-from .importing import ImportReport, check_policy, iter_csv, parse_int, parse_seconds, zero_tokens
+from .format import Trace
+from .importing import ImportReport, check_policy, iter_csv, one_turn_sessions, parse_int, parse_seconds, zero_tokens
 
 COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 LOG_TYPES = {"all": None, "conversation": "Conversation log", "api": "API log"}
@@ -83,23 +83,13 @@ def import_burstgpt(path: str | os.PathLike, *, log_type: str = "all", zero: str
                 if v:
                     meta[_meta_key(h)] = v
             rows.append((ts, req, resp, meta))
-    if not rows:
-        raise InputError(p, None, None, "no importable rows (empty trace, or every row filtered or skipped: "
-                                        + "; ".join(rep.lines()) + ")")
-    late = sum(1 for a, b in zip(rows, rows[1:]) if b[0] < a[0])
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    turns = []
-    for i, (ts, req, resp, meta) in enumerate(rows):
-        sid = f"bg{i}"
-        turns.append(Turn(default_request_id(sid, 0), sid, 0, round(ts - t0, 6), 0.0, req, resp, meta=meta))
+    turns = one_turn_sessions(rows, "bg", rep, p, "filtered or skipped")
+    t0 = rows[0][0]  # sorted by time now
     rep.facts.update({"requests": len(turns), "sessions": len(turns), "log_types": kinds,
                       "rows_with_zero_request_tokens": zero_req, "rows_with_zero_response_tokens": zero_resp,
                       "rows_with_zero_request_and_response_tokens": zero_both, "t0_timestamp_s": t0})
     if mismatch:
         rep.notes.append(f"{mismatch} row(s) whose Total tokens != Request tokens + Response tokens (kept; Total "
                          f"is not used)")
-    if late:
-        rep.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
     rep.notes.append("no session or prefix data is used: every request is a one-turn session")
     return Trace(turns, f"burstgpt:{p}")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from tangram.errors import InputError
 
+from .format import Turn, default_request_id
+
 ZERO_POLICIES = ("skip", "clamp", "error")
 
 
@@ -163,3 +165,24 @@ def parse_seconds(path: str, line: int, fld: str, s: str) -> float:
     if not math.isfinite(v) or v < 0:
         raise InputError(path, line, fld, f"expected finite seconds >= 0, got {s!r}")
     return v
+
+
+def one_turn_sessions(rows: list, sid_prefix: str, report: ImportReport, path: str, dropped: str) -> list[Turn]:
+    """Request logs without sessions (Azure, BurstGPT): rows ``(time, prompt, output, meta)`` become one-turn
+    sessions in time order, arrivals from the first row's time (datetimes or seconds); rows out of order are
+    counted in the report. ``dropped`` says how rows can go missing, for the error when none is left."""
+    if not rows:
+        raise InputError(path, None, None, f"no importable rows (empty trace, or every row {dropped}: "
+                                           + "; ".join(report.lines()) + ")")
+    late = sum(1 for a, b in zip(rows, rows[1:]) if b[0] < a[0])
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    turns = []
+    for i, (ts, prompt, output, meta) in enumerate(rows):
+        sid = f"{sid_prefix}{i}"
+        dt = ts - t0
+        arrival = round(dt.total_seconds() if hasattr(dt, "total_seconds") else dt, 6)
+        turns.append(Turn(default_request_id(sid, 0), sid, 0, arrival, 0.0, prompt, output, meta=meta))
+    if late:
+        report.notes.append(f"{late} row(s) with a timestamp earlier than the row before: imported in time order")
+    return turns

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tangram.cli import cli_main, from_cli, parse, spec_overrides, spec_parser
+from tangram.cli import add_sweep, cli_main, from_cli, parse, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
 
@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-index", type=int,
                    help="index of this worker when several are started by hand on one storage (distinct sampler "
                         "seeds); --n-jobs sets it for the workers it spawns")
+    # tensor parallelism: the TP degrees and placements searched (EngineConfig's tp and placement fields)
+    add_sweep(p, "tp", "tensor-parallel degrees to search (several: the objective is load per GPU)")
+    add_sweep(p, "placement", "KV-head placements to search under tp > 1")
     p.add_argument("--objective", default="pareto", choices=["pareto", "constrained"],
                    help="pareto: maximise load and minimise overflow; constrained: maximise load s.t. "
                         "overflow <= --overflow-bound")
@@ -78,7 +81,7 @@ def _build(args):
     trace_path, trace = spec.trace_path, spec.load_trace()
     slo_text = spec.slo or DEFAULT_SLO
     slo = spec.slo_targets(DEFAULT_SLO)
-    space = SearchSpace.for_model(model, fixed={"mode": "tangram"})
+    space = SearchSpace.for_model(model, tp=tuple(args.tp), placement=tuple(args.placement), fixed={"mode": "tangram"})
     from tangram.profiles.accuracy import AccuracyModel
 
     if args.accuracy_floor is not None and not (0 < args.accuracy_floor <= 1):

@@ -106,6 +106,10 @@ class Evaluator:
                        saturated=sat, bracket_rps=cap["bracket_rps"], offered_rps=offered_rps(self.trace))
             if cap.get("note"):
                 out["capacity_note"] = cap["note"]
+        tp = spec.engine.tp
+        if len(self.space.tp) > 1:  # replicas of different GPU counts compete: the objective is load per GPU
+            out["replica_load_rps"], out["load_rps"] = out["load_rps"], out["load_rps"] / tp
+        out["gpus_per_replica"] = tp
         for k, v in list(out.items()):
             if isinstance(v, float) and not math.isfinite(v):
                 out[k] = None

@@ -13,6 +13,7 @@ from tangram.errors import ConfigError
 
 # the paper's default operating point (H_p = 4, alpha = 2, every other field at EngineConfig's default)
 PAPER_DEFAULT = {"heads_per_group": 4, "alpha": 2.0}
+_ENGINE = EngineConfig()  # the defaults of the fields a study does not search
 
 
 @dataclass(frozen=True)
@@ -30,17 +31,48 @@ class SearchSpace:
     chunk_size: tuple[int, ...] = (512, 1024, 2048, 4096)
     max_batched_tokens: tuple[int, ...] = (4096, 8192, 16384)
     fixed: dict = field(default_factory=dict)  # EngineConfig fields every trial shares (mode, rho, ...)
+    # tensor parallelism (issue 16): searched only when given more than one choice (a single choice goes to
+    # ``fixed``), so studies without it keep their parameter names; ``num_kv_heads`` rules out H_p that do not
+    # divide a rank's heads (such a draw is pruned)
+    tp: tuple[int, ...] = (_ENGINE.tp,)
+    placement: tuple[str, ...] = (_ENGINE.placement,)
+    num_kv_heads: int = 0
 
     @classmethod
-    def for_model(cls, model: ModelConfig, **kw) -> "SearchSpace":
-        return cls(heads_per_group=tuple(divisors(model.num_kv_heads)), **kw)
+    def for_model(cls, model: ModelConfig, tp: tuple[int, ...] = (_ENGINE.tp,),
+                  placement: tuple[str, ...] = (_ENGINE.placement,), **kw) -> "SearchSpace":
+        """H_p choices: the divisors of a rank's KV heads at the smallest TP degree searched."""
+        from tangram.placement import check_tp
+
+        tp, placement = tuple(sorted(set(int(t) for t in tp))), tuple(dict.fromkeys(placement))
+        for t in tp:
+            check_tp(model.num_kv_heads, t)
+        fixed = dict(kw.pop("fixed", {}))
+        if len(tp) == 1 and tp[0] != _ENGINE.tp:
+            fixed["tp"] = tp[0]
+        if len(placement) == 1 and placement[0] != _ENGINE.placement:
+            fixed["placement"] = placement[0]
+        return cls(heads_per_group=tuple(divisors(model.num_kv_heads // tp[0])), tp=tp, placement=placement,
+                   num_kv_heads=model.num_kv_heads, fixed=fixed, **kw)
+
+    @property
+    def searched(self) -> tuple[str, ...]:
+        """The categorical fields a trial draws (tp and placement only when they have a choice)."""
+        extra = tuple(n for n in ("tp", "placement") if len(getattr(self, n)) > 1)
+        return ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens") + extra
 
     def suggest(self, trial) -> dict:
         """Draw one configuration through an Optuna trial (categorical fields as categoricals)."""
         p = {"heads_per_group": trial.suggest_categorical("heads_per_group", list(self.heads_per_group))}
         p["alpha"] = trial.suggest_float("alpha", self.alpha_lo, self.alpha_hi, step=self.alpha_step)
-        for name in ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens"):
+        for name in self.searched:
             p[name] = trial.suggest_categorical(name, list(getattr(self, name)))
+        tp = p.get("tp", self.fixed.get("tp", _ENGINE.tp))
+        if self.num_kv_heads and (self.num_kv_heads // tp) % p["heads_per_group"]:
+            import optuna
+
+            raise optuna.TrialPruned(f"H_p={p['heads_per_group']} does not divide the {self.num_kv_heads // tp} "
+                                     f"KV heads of a rank at tp={tp}")
         return p
 
     def engine(self, params: dict) -> EngineConfig:
@@ -52,8 +84,9 @@ class SearchSpace:
 
     def contains(self, params: dict) -> bool:
         """Whether an enqueued configuration lies inside the space (Optuna would warn and re-sample otherwise)."""
-        for name in ("heads_per_group", "clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size",
-                     "max_batched_tokens"):
+        for name in ("heads_per_group",) + self.searched:
+            if name in ("tp", "placement") and name not in params:  # drawn by the sampler when enqueued without
+                continue
             if params[name] not in getattr(self, name):
                 return False
         a = float(params["alpha"])
@@ -70,7 +103,7 @@ class SearchSpace:
 
         d = {"heads_per_group": od.CategoricalDistribution(list(self.heads_per_group)),
              "alpha": od.FloatDistribution(self.alpha_lo, self.alpha_hi, step=self.alpha_step)}
-        for name in ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens"):
+        for name in self.searched:
             d[name] = od.CategoricalDistribution(list(getattr(self, name)))
         return d
 

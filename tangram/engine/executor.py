@@ -62,10 +62,10 @@ from tangram.engine.sampling import Sampler, SamplingParams
 from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
-    add_rms_norm, global_keep_counts, launch_decode, pool_scores, prefill_attention_varlen, rms_norm, rope_qkv,
+    add_rms_norm, global_keep_counts, launch_decode, prefill_attention_varlen, rms_norm, rope_qkv,
     runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
 )
-from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec
+from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec, snapkv_finish_batched
 from tangram.plan import StepPlan, StepResult
 from tangram.planner import DecodeCosts
 from tangram.scheduler import Scheduler
@@ -657,14 +657,7 @@ class Executor:
         if spec.scorer == "snapkv" and int(c.min()) > W:
             raw = snapkv_scores_varlen(q, k, lse, cu, max_chunk, self.cache.head_to_slot[l], window=W,
                                        sm_scale=self.scale)
-            g = self.cfg.num_q_heads // H
-            cols = torch.arange(CS, device=raw.device)[None, None, :]
-            cd = cu[1:] - cu[:-1]
-            end = (cd.long() - W)[:, None, None]  # tokens before the window
-            s = (raw / (W * g)).masked_fill(cols >= end, 0.0)
-            s = pool_scores(s, P.kernel)
-            s = s.masked_fill((cols >= end) & (cols < cd.long()[:, None, None]), float("inf"))
-            return s.masked_fill(cols >= cd.long()[:, None, None], 0.0)
+            return snapkv_finish_batched(raw, cu[1:] - cu[:-1], W, self.cfg.num_q_heads // H, P.kernel)
         out = torch.zeros((kp, H, CS), dtype=torch.float32, device=q.device)
         bounds = np.concatenate([[0], np.cumsum(c)])
         s2h, h2s = self.cache.slot_to_head[l], self.cache.head_to_slot[l]

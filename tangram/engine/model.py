@@ -122,8 +122,12 @@ class TorchAttention:
             ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale, self.inv_freq)
             for obs in self.observers:
                 obs(ev)
+        return self._attend(q, K, V, keep, ctx, scale)
+
+    def _attend(self, q: Tensor, K: Tensor, V: Tensor, keep: Tensor, ctx: AttnContext, scale: float) -> Tensor:
+        """Attention of the new queries over the kept tokens (subclasses trade memory for speed here)."""
         allowed = keep[:, :, None, :] & (self.pos[None, None, None, :] <= ctx.input_pos[None, None, :, None])
-        g = q.shape[1] // Hkv
+        g = q.shape[1] // K.shape[1]
         allowed = allowed.repeat_interleave(g, dim=1)
         Kq, Vq = K.repeat_interleave(g, dim=1), V.repeat_interleave(g, dim=1)
         return F.scaled_dot_product_attention(q, Kq, Vq, attn_mask=allowed, scale=scale)
@@ -306,11 +310,14 @@ def _fuse_rows(tensors, modules, name: str) -> Tensor:
 
 
 class Session:
-    """One sequence on the reference backend: prefill (optionally chunked), decode, roll back."""
+    """One sequence on the reference backend: prefill (optionally chunked), decode, roll back. ``rows`` > 1 feeds
+    the same tokens to every row of a batched cache (e.g. differently compressed copies of one prompt); the logits
+    returned are the first row's."""
 
-    def __init__(self, model: Transformer, backend: TorchAttention | None = None):
+    def __init__(self, model: Transformer, backend: TorchAttention | None = None, rows: int = 1):
         self.model = model
         self.backend = backend or TorchAttention(model.cfg)
+        self.rows = rows
 
     @property
     def length(self) -> int:
@@ -321,7 +328,7 @@ class Session:
         t = torch.as_tensor(tokens, dtype=torch.long, device=self.model.lm_head.weight.device)
         n0 = self.length
         pos = torch.arange(n0, n0 + t.numel(), device=t.device)
-        return self.model(t[None], pos, self.backend, last_only=last_only)[0]
+        return self.model(t[None].expand(self.rows, -1), pos, self.backend, last_only=last_only)[0]
 
     @torch.no_grad()
     def generate(self, first_logits: Tensor, max_new: int, stop_ids: tuple[int, ...] = ()) -> list[int]:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tangram.budgets import BudgetProfile, calibrate
-from tangram.engine.model import TorchAttention
+from tangram.engine.model import Session, TorchAttention
 from tangram.errors import ConfigError
 from tangram.profiles.scoring import budget_tokens, global_topk_mask, make_scorer, per_head_topk_mask
 
@@ -200,26 +200,9 @@ class EvalAttention(TorchAttention):
         nb.pos = None if base.pos is None else base.pos.clone()
         return nb
 
-    def __call__(self, layer_idx, q, k, v, ctx):
-        B, Hkv, T, D = k.shape
-        if self.k[layer_idx] is None:
-            self.k[layer_idx], self.v[layer_idx] = k, v
-            self.keep[layer_idx] = torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)
-        else:
-            self.k[layer_idx] = torch.cat([self.k[layer_idx], k], dim=2)
-            self.v[layer_idx] = torch.cat([self.v[layer_idx], v], dim=2)
-            self.keep[layer_idx] = torch.cat(
-                [self.keep[layer_idx], torch.ones(B, Hkv, T, dtype=torch.bool, device=k.device)], dim=2)
-        if layer_idx == 0:
-            self.pos = ctx.input_pos.clone() if self.pos is None else torch.cat([self.pos, ctx.input_pos])
-        K, V, keep = self.k[layer_idx], self.v[layer_idx], self.keep[layer_idx]
-        N = K.shape[2]
-        scale = 1.0 / math.sqrt(D)
-        if self.observers:
-            from tangram.engine.model import AttnEvent
-            ev = AttnEvent(layer_idx, q, K, V, keep, self.pos, ctx.input_pos, N - T, scale)
-            for obs in self.observers:
-                obs(ev)
+    def _attend(self, q, K, V, keep, ctx, scale):
+        B, Hkv, N, _ = K.shape
+        T = q.shape[2]
         if N == T:  # empty cache before this call: plain causal attention over the new tokens
             return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
         g = q.shape[1] // Hkv
@@ -279,10 +262,10 @@ class SampleResult:
 def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[int] | None]], *, chunk: int,
                     batch: int = 16, window: int | None = None, eos: int | None = None,
                     continues: torch.Tensor | None = None, continuation: list[int] | None = None,
-                    free_check: tuple[int, callable] | None = None) -> SampleResult:
+                    free_check: tuple[int, callable] | None = None, tokenizer=None) -> SampleResult:
     """All modes on one sample. ``turns``: (prompt ids, gold answer ids) per turn (answer None for a KL text);
     ``continuation``: ids scored by KL after the last prompt. ``free_check``: (max new tokens, decode fn) to also
-    decode the full cache's first answer freely."""
+    decode the full cache's first answer freely. ``tokenizer``: needed by KVzip's reconstruction prompt."""
     t0 = time.time()
     cfg = model.cfg
     L, H = cfg.num_layers, cfg.num_kv_heads
@@ -294,12 +277,17 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
     top1 = np.ones(M) if continuation is not None else None
     free = None
     scorer_names = sorted({m.scorer for m in modes if m.scorer})
-    base_sc = {s: make_scorer(s, L, window) for s in scorer_names}
+    base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in scorer_names}
     base = EvalAttention(cfg, observers=list(base_sc.values()))
     prompt0 = turns[0][0]
     c0 = prompt0[:chunk]
     logits0 = _forward(model, base, c0, 1, True)[:, -1]  # [1, V]
-    scores0 = {s: sc.take() for s, sc in base_sc.items()}  # [L, 1, H, T]
+    scores0 = {s: sc.take() for s, sc in base_sc.items() if not sc.extra_forward}  # [L, 1, H, T]
+    for s, sc in base_sc.items():  # KVzip's repeat forward, with the other scorers off
+        if sc.extra_forward:
+            base.observers = [sc]
+            sc.after_chunk(Session(model, base), c0)
+            scores0[s] = sc.take()
     base.observers = []
     if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
             and int(logits0[0].argmax()) != turns[0][1][0]):
@@ -314,7 +302,7 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
         ms = [modes[i] for i in idx]
         B = len(ms)
         sname = ms[0].scorer
-        scorer = make_scorer(sname, L, window) if sname else None
+        scorer = base_sc[sname].clone() if sname else None
         br = EvalAttention.fork(base, B, observers=[scorer] if scorer else [])
         kept_tok = np.zeros(B)
         kept_den = [0]
@@ -346,6 +334,7 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
                 start = br.length
                 lg = _forward(model, br, piece, B, True)[:, -1]
                 if scorer is not None and len(piece) >= scorer.min_tokens:
+                    scorer.after_chunk(Session(model, br, B), piece)  # KVzip's repeat; a no-op for the others
                     compress(start, scorer.take(), count)
                 elif count:
                     kept_tok[:] += len(piece)
@@ -420,17 +409,15 @@ def _free_decode(model, br: TorchAttention, lg: torch.Tensor, ans: list[int], ch
 
 @torch.no_grad()
 def retention_of_prompt(model, ids: list[int], needs: dict[str, set[str]], rhos: list[float], chunk: int,
-                        window: int | None = None) -> dict[tuple[str, str, float], np.ndarray]:
+                        window: int | None = None, tokenizer=None) -> dict[tuple[str, str, float], np.ndarray]:
     """Per-head retention [chunks, L, H] of each scorer's dynamic selection at each scope and ratio, on the
     uncompressed model (as ``tangram-profile`` calibrates); only chunks of the prompt's largest size count."""
+    from tangram.profiles.retention import chunk_scores_multi
     L = model.cfg.num_layers
-    sc = {s: make_scorer(s, L, window) for s in needs}
-    be = EvalAttention(model.cfg, observers=list(sc.values()))
-    chunks: dict[str, list[torch.Tensor]] = {s: [] for s in needs}
-    for a in range(0, len(ids), chunk):
-        _forward(model, be, ids[a:a + chunk], 1, True)
-        for s in needs:
-            chunks[s].append(sc[s].take()[:, 0])
+    names = sorted(needs)
+    scored = chunk_scores_multi(model, ids, [make_scorer(s, L, window, tokenizer=tokenizer) for s in names], chunk,
+                                backend=EvalAttention)
+    chunks: dict[str, list[torch.Tensor]] = dict(zip(names, scored))
     out = {}
     for s, scopes in needs.items():
         full = max(x.shape[-1] for x in chunks[s])
@@ -517,7 +504,8 @@ def _run_job(job: tuple) -> dict:
         use = modes[:1] if kind == "curve" else modes
         r = evaluate_sample(_W["task_model"], use, turns, chunk=o["chunk"], batch=o["batch"], window=o["window"],
                             eos=tok.eos_id, continues=_W["continues"],
-                            free_check=(len(turns[0][1]) + 4, dec) if o.get("free_check", True) else None)
+                            free_check=(len(turns[0][1]) + 4, dec) if o.get("free_check", True) else None,
+                            tokenizer=tok)
         out = {"kind": kind, "task": task, "index": index, "length": length, "prompt_tokens": len(turns[0][0]),
                "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
                "seconds": r.seconds, "depth": s.meta.get("depth", s.meta.get("depths"))}
@@ -531,7 +519,7 @@ def _run_job(job: tuple) -> dict:
         s = make_text(o["split"], index, o["kl_context"], o["kl_continuation"], encode=tok.encode, decode=dec)
         ids, cont = s.meta["context_ids"], s.meta["continuation_ids"]
         r = evaluate_sample(model, modes, [(ids, None)], chunk=o["chunk"], batch=o["batch"], window=o["window"],
-                            continuation=cont)
+                            continuation=cont, tokenizer=tok)
         return {"kind": "kl", "task": "kl_text", "index": index, "prompt_tokens": len(ids), "kl": r.kl,
                 "top1": r.top1, "kept": r.kept, "seconds": r.seconds}
     if kind == "calib":
@@ -541,7 +529,7 @@ def _run_job(job: tuple) -> dict:
         smp = make_sample(CTASKS[index % len(CTASKS)], "calib", index // len(CTASKS), o["calib_context"])
         t0 = time.time()
         ret = retention_of_prompt(model, prompt_tokens(tok, smp), o["calib_needs"], o["calib_rhos"], o["chunk"],
-                                  o["window"])
+                                  o["window"], tokenizer=tok)
         return {"kind": "calib", "index": index, "retention": ret, "seconds": time.time() - t0}
     raise ValueError(f"unknown job {job!r}")
 

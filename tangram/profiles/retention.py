@@ -24,20 +24,21 @@ def chunk_scores(model: Transformer, tokens: list[int], scorer: ChunkScorer, chu
 
 @torch.no_grad()
 def chunk_scores_multi(model: Transformer, tokens: list[int], scorers: list[ChunkScorer],
-                       chunk: int) -> list[list[torch.Tensor]]:
+                       chunk: int, backend: type[TorchAttention] = TorchAttention) -> list[list[torch.Tensor]]:
     """Several methods from one model forward per chunk (the forward dominates calibration on a CPU): per
     scorer, the scores [L, Hkv, c] of each chunk. A scorer's own extra forward (KVzip's repeat) runs after the
-    others have taken their scores, with them switched off."""
-    sess = Session(model, TorchAttention(model.cfg, observers=list(scorers)))
+    others have taken their scores, with them switched off. ``backend``: the attention class (the accuracy
+    report passes its faster CPU one)."""
+    sess = Session(model, backend(model.cfg, observers=list(scorers)))
     out: list[list[torch.Tensor]] = [[] for _ in scorers]
     for a in range(0, len(tokens), chunk):
         piece = tokens[a:a + chunk]
         sess.forward(piece, last_only=True)
         for i, sc in enumerate(scorers):
-            if type(sc).after_chunk is ChunkScorer.after_chunk:
+            if not sc.extra_forward:
                 out[i].append(sc.take()[:, 0])
         for i, sc in enumerate(scorers):
-            if type(sc).after_chunk is not ChunkScorer.after_chunk:
+            if sc.extra_forward:
                 others = [o for o in scorers if o is not sc]
                 for o in others:
                     o.enabled = False

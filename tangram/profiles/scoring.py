@@ -15,6 +15,7 @@ prompt plus the chunk) through the session, so its callers invoke
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -55,6 +56,19 @@ class ChunkScorer:
 
     def after_chunk(self, sess, tokens: list[int]) -> None:
         """Called by the chunk loop after each prefill chunk's forward; only KVzip uses it."""
+
+    @property
+    def extra_forward(self) -> bool:
+        """Whether :meth:`after_chunk` runs a forward of its own (the caller then switches other observers off)."""
+        return type(self).after_chunk is not ChunkScorer.after_chunk
+
+    def clone(self) -> "ChunkScorer":
+        """The same method and parameters with no pending scores, continuing this scorer's chunk history (KVzip
+        prompts a later chunk with the previous chunk's tail): a batch forked from a shared first chunk."""
+        new = copy.copy(self)
+        new.scores = [None] * len(self.scores)
+        new.seconds = new.cpu_seconds = 0.0
+        return new
 
     def take(self) -> torch.Tensor:
         """Scores of the last chunk for all layers [L, B, Hkv, T]."""
