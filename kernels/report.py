@@ -7,14 +7,14 @@ Every number in the report is read from the tables and ``meta.json`` that
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from tangram.errors import InputError, cli_errors
+from tangram.errors import InputError
+from tangram.cli import Parser, cli_main
 
 KERNEL_LABEL = {
     "tangram_aot": "Tangram AOT split map", "static_split": "(a) static num_splits, monolithic",
@@ -303,9 +303,9 @@ def build(calib: Path, out: Path, extra: list[tuple[str, Path]] = ()) -> Path:
     return md
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--calib", default="sim/tables/h100")
     ap.add_argument("--out", default="reports/kernels")
     ap.add_argument("--extra-meta", action="append", default=[], metavar="LABEL=PATH",

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
-from tangram.config import MODES
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO
 
 DEFAULT_OUT = "tangram-sim-out"
@@ -19,56 +20,15 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "preemptions", "session_evictions"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad input
-        print(f"error: {message} (see tangram-sim --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tangram-sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", nargs="?", help="multi-turn JSONL trace (default: the bundled default trace)")
-    p.add_argument("--model", help="model preset (default llama-3.1-8b)")
-    p.add_argument("--gpu", help="GPU preset (default h100-80gb)")
-    p.add_argument("--mode", action="append", help=f"serving mode(s), repeatable or comma list (default all: "
-                                                   f"{','.join(MODES)})")
-    p.add_argument("--rho", type=float, help="target global retention ratio (default 0.25)")
-    p.add_argument("--hp", type=int, help="heads per group H_p of ragged paging (default 4)")
-    p.add_argument("--alpha", type=float, help="safety margin of the budgets, eq. 5 (default 2)")
-    p.add_argument("--profile", help="budget profile file (.npz/.json); default: the shipped calibration of the model, "
-                                     "score_method, budget_scope and rho (tangram.profiles.registry), else a "
-                                     "synthetic profile (labelled)")
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--chunk", type=int, help="prefill chunk size in tokens")
-    p.add_argument("--max-batched-tokens", type=int)
-    p.add_argument("--replicas", type=int, help="engine replicas (default 1)")
-    p.add_argument("--tp", type=int, help="tensor-parallel GPUs per replica (default 1; must divide the KV heads, "
-                                          "H_p must divide a rank's heads)")
-    p.add_argument("--placement", choices=["contiguous", "balanced"],
-                   help="KV heads per rank under --tp: the Megatron split or budget-balanced groups (default)")
-    p.add_argument("--router", choices=["round-robin", "least-outstanding", "session-affinity"])
-    p.add_argument("--seed", type=int, help="seed of the cost model's random draws and the synthetic profile")
-    p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--rate-scale", type=float, help="multiply the trace's session arrival rate")
-    p.add_argument("--config", help="JSON file of EngineConfig fields plus model/gpu/trace/... (as the tuner writes)")
-    p.add_argument("--tables", "--calibration", dest="tables",
-                   help="folder of cost tables (default sim/tables/<gpu>/; 'none': "
-                                         "roofline only)")
-    p.add_argument("--probe", metavar="FILE",
-                   help="rescale the cost tables to the machine a tangram-probe JSON was measured on")
-    p.add_argument("--no-engine-overhead", dest="engine_overhead", action="store_false", default=None,
-                   help="price kernels back to back (a CUDA-graph engine) instead of the eager engine's fitted "
-                        "issue/sync overhead (engine_overhead.json of the tables folder)")
-    p.add_argument("--slo", help=f"e.g. 'ttft_p99=2s,tpot_p99=0.1s' (--capacity without it: '{DEFAULT_SLO}')")
-    p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting --slo")
-    p.add_argument("--target-rate", type=float, help="requests/s to provision for (capacity mode: replicas_needed, "
-                                                     "found by simulating the replicated cluster)")
+    p = spec_parser("tangram-sim", __doc__, ("deployment", "trace", "engine", "replay", "sim", "output"),
+                    defaults={"out": DEFAULT_OUT})
+    p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting "
+                   f"--slo (default SLO '{DEFAULT_SLO}')")
     p.add_argument("--jobs", type=int, default=1, help="modes simulated in parallel processes (default 1)")
     p.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="step every decode step one by one (the reference path; same results, slower)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--accuracy-table", help="measured accuracy table file, or a model whose shipped table to use "
-                   "(default: the model's own; another model's is labelled borrowed)")
     return p
 
 
@@ -131,16 +91,15 @@ def run(args) -> dict:
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
     from tangram.harness import offered_rps
-    from tangram.spec import resolve
+    from tangram.profiles.accuracy import AccuracyModel
 
     from .report import write_report
 
-    r = resolve(args, DEFAULT_OUT)
-    spec, trace, modes = r["spec"], r["trace"], r["modes"]
-    from tangram.profiles.accuracy import AccuracyModel
-
-    r["accuracy"], r["accuracy_label"] = AccuracyModel.for_run(
-        spec.model.name, spec.profile, getattr(args, "accuracy_table", None) or r["config"].get("accuracy_table"))
+    spec = from_cli(args)
+    trace, modes = spec.load_trace(), spec.mode_list
+    slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO
+    slo = spec.slo_targets(DEFAULT_SLO if args.capacity else None)
+    accuracy, accuracy_label = AccuracyModel.for_run(spec.model.name, spec.profile, spec.accuracy_table)
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     ff = args.fast_forward
@@ -162,8 +121,8 @@ def run(args) -> dict:
         frames.append(records_frame(res.records, mode=mode))
     curves = {}
     if args.capacity:
-        slo, target = r["slo"], r["target_rate"]
-        if r.get("slo_default"):
+        target = spec.target_rate
+        if slo_default:
             print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
         calls = [(trace, spec, m, slo, target, _start_scale(metrics[m], offered), ff) for m in modes]
         if args.jobs > 1 and len(modes) > 1:
@@ -190,23 +149,23 @@ def run(args) -> dict:
                 m["replicas_probes"] = rp["probes"]
                 if rp.get("note"):
                     m["replicas_note"] = rp["note"]
-    common = {"trace": str(r["trace_path"]), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
+    common = {"trace": str(spec.trace_path), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
               "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
-              "router": spec.router, "profile": r["profile_label"], "offered_rps": offered,
-              "slo": r["slo"], "target_rate": r["target_rate"]}
-    common["accuracy"] = r["accuracy_label"]
+              "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
+              "slo": slo, "target_rate": spec.target_rate}
+    common["accuracy"] = accuracy_label
     for mode, m in metrics.items():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
         m["run"] = common
-        if r["accuracy"] is not None:  # measured task accuracy at the mode's kept share
+        if accuracy is not None:  # measured task accuracy at the mode's kept share
             e = spec.engine
-            est = r["accuracy"].estimate(mode, spec.profile, e.alpha, e.rho)
+            est = accuracy.estimate(mode, spec.profile, e.alpha, e.rho)
             m.update(kv_share=est.kv_share, accuracy=est.value, accuracy_rel=est.relative, accuracy_source=est.source)
         else:
             from tangram.profiles.accuracy import mode_kv_share
             m.update(kv_share=mode_kv_share(mode, spec.profile, spec.engine.alpha, spec.engine.rho), accuracy=None,
-                     accuracy_rel=None, accuracy_source=r["accuracy_label"])
-    out = r["out"]
+                     accuracy_rel=None, accuracy_source=accuracy_label)
+    out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", metrics)
     write_requests_csv(out / "requests.csv", frames)
@@ -216,7 +175,7 @@ def run(args) -> dict:
     for mode, m in metrics.items():
         if m.get("capacity_note"):
             print(f"{mode}: {m['capacity_note']}")
-    print(r["accuracy_label"])
+    print(accuracy_label)
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
 
@@ -244,9 +203,9 @@ def _print_table(metrics: dict, capacity: bool) -> None:
         print(df.to_string())
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    run(parse_cli(_parser(), argv))
+    run(parse(_parser(), argv))
     return 0
 
 

@@ -12,17 +12,16 @@ tokens. ``tangram.sim.tp`` reads the file from the tables folder of the GPU bein
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.cli import Parser, cli_main, parse
+from tangram.errors import ConfigError
 
 DEFAULT_SIZES = [int(t * 4096 * 2) for t in (1, 4, 16, 64, 256, 1024, 4096, 16384)]
 
@@ -96,9 +95,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tangram.sim.fit_allreduce", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m tangram.sim.fit_allreduce", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="tables folder (allreduce.csv is written there)")
     ap.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="message sizes in bytes")
     ap.add_argument("--dtype", default="bfloat16")
@@ -108,13 +107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="spawn --world gloo processes on the CPU (a functional check; "
                                                       "its times are no GPU's)")
     ap.add_argument("--world", type=int, default=2)
-    try:
-        a = ap.parse_args(argv)
-    except SystemExit as e:
-        raise SystemExit(2 if e.code else 0)
+    a = parse(ap, argv)
     if any(s <= 0 for s in a.sizes):
         raise ConfigError("--sizes must be positive")
-    cmd = "python -m tangram.sim.fit_allreduce " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m tangram.sim.fit_allreduce " + " ".join(a._argv)
     if a.cpu:
         import torch.multiprocessing as mp
 

@@ -10,7 +10,6 @@ the fit's error per kernel, so a reader sees how well the choice is informed.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 from pathlib import Path
@@ -19,7 +18,8 @@ import numpy as np
 
 from tangram.budgets import constant_profile, head_groups, synthetic_profile
 from tangram.config import get_model
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.errors import ConfigError
+from tangram.cli import Parser, cli_main, parse
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
                              flashdecoding_num_splits)
 
@@ -129,7 +129,7 @@ def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = ()) -> tuple[
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m tangram.sim.fit_decode", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tangram.sim.fit_decode", description=__doc__.splitlines()[0])
     p.add_argument("tables", nargs="?", default=str(TABLES_ROOT / "h100"), help="tables folder (default %(default)s)")
     p.add_argument("--max-rows", type=int, default=400, help="rows sampled for the fit (default %(default)s)")
     p.add_argument("--extra", nargs="*", default=[], help="more decode_attention.csv files of the same GPU "
@@ -137,9 +137,9 @@ def _parser():
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    a = parse_cli(_parser(), argv)
+    a = parse(_parser(), argv)
     d = Path(a.tables)
     costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra])
     costs.to_json(d / DecodeCosts.FILENAME, info)

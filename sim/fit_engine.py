@@ -12,14 +12,15 @@ sizes and split maps a tuner will price. Use a trace other than the one you vali
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import os
 import platform
 from pathlib import Path
 
 
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.errors import ConfigError
+from tangram.spec import parse_modes
 
 from . import engine_overhead
 from .costmodel import HOST_TERMS, CostModel, CostParams
@@ -76,19 +77,12 @@ def step_terms(df) -> dict:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="tangram-fit-engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", help="multi-turn JSONL trace (not the validation trace)")
+    p = spec_parser("tangram-fit-engine", __doc__, ("model", "gpu", "trace", "engine", "run"), trace="required",
+                    skip=("dynamic_keep", "temperature", "top_p"), config=False, defaults={"weights": "random"})
     p.add_argument("--modes", default="tangram,full,dynamic", help="comma list of modes to run (default %(default)s)")
     p.add_argument("--configs", nargs="+", metavar="FILE",
-                   help="config JSON files to run instead of --modes (each its own mode, H_p, alpha, chunk size...)")
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--weights", default="random")
-    p.add_argument("--rho", type=float, default=0.25)
-    p.add_argument("--alpha", type=float, default=2.0)
-    p.add_argument("--hp", type=int, default=4)
-    p.add_argument("--kv-pool-gib", type=float)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+                   help="config JSON files to run instead of --modes (each its own mode, H_p, alpha, chunk size...; "
+                        "the spec options given here override theirs)")
     p.add_argument("--time-ops", action="store_true",
                    help="time every operator (CUDA events; eager decode, no graphs) into meas_<op> columns of "
                         "--steps-csv and print predicted vs measured per term; fits nothing")
@@ -104,29 +98,23 @@ def run(a) -> dict:
     import pandas as pd
     import torch
 
-    from tangram.engine.bench import device_dtype, _parser as bench_parser, resolve, run_mode, run_mode_of
+    from tangram.engine.bench import device_dtype, run_mode
     from tangram.engine.weights import load_model
 
     from .tables import tables_dir_for
 
-    common = ["--weights", a.weights, "--device", a.device, "--dtype", a.dtype]
-    if a.kv_pool_gib is not None:
-        common += ["--kv-pool-gib", str(a.kv_pool_gib)]
-    if a.configs:  # (label, bench arguments, mode or None for the config's own)
-        runs = [(Path(c).stem, [a.trace, "--config", c, *common], None) for c in a.configs]
+    if a.configs:  # (label, spec): each config under the command line's options
+        runs = [(Path(c).stem, from_cli(a, config=c)) for c in a.configs]
     else:
-        base = [a.trace, "--model", a.model, "--rho", str(a.rho), "--alpha", str(a.alpha), "--hp", str(a.hp), *common]
-        runs = [(m.strip(), base, m.strip()) for m in a.modes.split(",") if m.strip()]
-    device, dtype = device_dtype(a.device, a.dtype)
+        runs = [(m, from_cli(a, modes=m)) for m in parse_modes(a.modes)]
+    device, dtype = device_dtype(runs[0][1].device, runs[0][1].dtype)
     model = info = spec0 = None
     rows: list[dict] = []
-    for label, argv, mode in runs:
-        r = resolve(bench_parser().parse_args(argv))
-        spec, trace = r["spec"], r["trace"]
-        mode = mode or run_mode_of(r)
+    for label, spec in runs:
+        trace, mode = spec.load_trace(), spec.run_mode
         if model is None:
             spec0 = spec
-            model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
+            model, info = load_model(spec.model, spec.weights, dtype=dtype, device=device, seed=spec.seed)
         elif spec.model.name != spec0.model.name:
             raise ConfigError(f"{label}: model {spec.model.name} differs from {spec0.model.name}; fit one model per run")
         dyn = "profile" if info.get("source") == "random" else "topk"
@@ -144,7 +132,7 @@ def run(a) -> dict:
         print(f"{label}: {len(rows) - n0} steps recorded; in the run: {tc.get('count', 0)} Triton compiles "
               f"({tc.get('seconds', 0.0):.2f} s), {gc.get('count', 0)} GC pauses ({gc.get('seconds', 0.0):.2f} s)",
               flush=True)
-    spec, modes = spec0, [label for label, _, _ in runs]
+    spec, modes = spec0, [label for label, _ in runs]
     df = pd.DataFrame(rows)
     if a.steps_csv:
         Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +154,7 @@ def run(a) -> dict:
         raise ConfigError(f"no tables folder for GPU {spec.gpu.name}; pass --out-dir")
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'cpu'})"
     prov = {"command": "python -m tangram.sim.fit_engine " + " ".join(a._argv), "device": dev,
-            "torch": torch.__version__, "trace": str(a.trace), "modes": modes, "weights": info.get("source"),
+            "torch": torch.__version__, "trace": spec.trace_path, "modes": modes, "weights": info.get("source"),
             "date": _dt.date.today().isoformat(), "host_cpu_count": os.cpu_count()}
     try:
         import triton
@@ -192,9 +180,9 @@ def run(a) -> dict:
     return {"coefficients": ov.coefficients(), "fit": stats, "path": str(path)}
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    run(parse_cli(_parser(), argv))
+    run(parse(_parser(), argv))
     return 0
 
 

@@ -12,7 +12,6 @@ written with the command, the CPU and the date so reports can cite them.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import platform
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tangram.cli import Parser
 from tangram.budgets import synthetic_profile
 from tangram.config import EngineConfig, get_model
 from tangram.paging import BlockTable, KVLayout, PagePool
@@ -145,7 +145,7 @@ def fit(steps: int = 1500, seed: int = 0) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="tangram-fit-host", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="tangram-fit-host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(HOST_COEFFS_PATH))
     ap.add_argument("--steps", type=int, default=1500, help="scheduler steps per (mode, H_p) configuration")
     ap.add_argument("--seed", type=int, default=0)

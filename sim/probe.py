@@ -22,7 +22,6 @@ and skips the kernels. The JSON (:func:`check_probe` is its schema) records the 
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import math
@@ -33,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, InputError, cli_errors, parse_cli
+from tangram.errors import ConfigError, InputError
+from tangram.cli import Parser, cli_main, parse
 
 KIND = "tangram-probe"
 VERSION = 1
@@ -445,7 +445,7 @@ def summary_lines(probe: dict, tables=None) -> list[str]:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="tangram-probe", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="tangram-probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", help="model preset(s) whose shapes to probe, comma list "
                                                           "(default %(default)s)")
     p.add_argument("--out", default="probe.json", help="probe JSON to write (default %(default)s)")
@@ -473,9 +473,9 @@ def run(a) -> dict:
     return probe
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    run(parse_cli(_parser(), argv))
+    run(parse(_parser(), argv))
     return 0
 
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from tangram.budgets import check_method_scope
+from tangram.budgets import METHODS, SCOPES, check_method_scope
 from tangram.errors import ConfigError
+from tangram.options import option
 from tangram.planner import pow2_bucket
 
 # --------------------------------------------------------------------------- models
@@ -141,6 +142,8 @@ MODE_ALIASES = {"br+rp+aot": "tangram", "vllm": "full", "br_rp": "br+rp"}
 # Reservation, then Ragged Paging, then AOT load balancing (= tangram). ``dynamic`` (the non-uniform method run
 # as published: over-allocate, compress, reclaim) is the comparison of Figure 11, not a step of this chain.
 ABLATION_MODES = ("full", "br", "br+rp", "tangram")
+# tensor parallelism's KV-head placements (tangram.placement): the Megatron split, budget-balanced head groups
+PLACEMENTS = ("contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -152,39 +155,62 @@ class EngineConfig:
     by hand (e.g. tangram without clustering).
     """
 
-    mode: str = "tangram"
+    mode: str = "tangram"  # not an option: the deployment spec's ``modes`` (--mode) picks it
     page_size: int = 16
-    heads_per_group: int = 4
+    """tokens per KV page"""
+    heads_per_group: int = option(4, aliases=("--hp",))
+    """heads per group H_p of ragged paging (must divide the model's KV heads)"""
     alpha: float = 2.0
+    """safety margin of the static budgets, B = min(1, mu + alpha * sigma) (eq. 5)"""
     rho: float = 0.25
-    chunk_size: int = 2048
+    """target global retention ratio of the compression method, in (0, 1]"""
+    chunk_size: int = option(2048, aliases=("--chunk",))
+    """prefill chunk size in tokens"""
     max_batched_tokens: int = 8192
+    """token budget of one step"""
     max_num_seqs: int = 256
+    """most requests running at once"""
     gpu_memory_utilization: float = 0.90
+    """share of GPU memory the engine may use"""
     activation_reserve_bytes: int = 2 * GIB
-    kv_pool_bytes: int | None = None  # overrides the derivation from GPU memory
+    """bytes of GPU memory kept for activations"""
+    kv_pool_bytes: int | None = option(None, scaled=(("--kv-pool-gib", float(GIB), "GIB"),),
+                                       show="derived from GPU memory")
+    """KV pool size in bytes, overriding the derivation from GPU memory (--kv-pool-gib: in GiB)"""
     # switches (None = implied by mode)
-    budget_reservation: bool | None = None
-    ragged_paging: bool | None = None
-    aot_balancing: bool | None = None
+    budget_reservation: bool | None = option(None, show="by mode")
+    """Budget Reservation: reserve a turn's exact post-compression pages at admission"""
+    ragged_paging: bool | None = option(None, show="by mode")
+    """Ragged Paging: one page table per (layer, head group)"""
+    aot_balancing: bool | None = option(None, show="by mode")
+    """AOT load balancing: decode by the static split map"""
     clustering: bool = True
-    decode_partition: str | None = None  # "static" | "runtime" | "aot"
-    split_rounding: str = "round"  # Algorithm 1 rounding: "round" (paper) or "ceil"
-    n_cta_scale: float = 1.0  # multiplies the occupancy-derived N_CTA
-    session_cache: bool = True  # keep a session's compressed KV resident between turns
-    # pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
-    # in the engine and are priced as graph replays by the simulator; 0 = every step eager
+    """budget-aware clustering of heads into groups (else adjacent heads)"""
+    decode_partition: str | None = option(None, choices=("static", "runtime", "aot"),
+                                          show="by mode: aot for tangram, else static")
+    """how decode work is split into CTAs"""
+    split_rounding: str = option("round", choices=("round", "ceil"))
+    """Algorithm 1 rounding: round (the paper) or ceil"""
+    n_cta_scale: float = 1.0
+    """multiplies the occupancy-derived N_CTA"""
+    session_cache: bool = True
+    """keep a session's compressed KV resident between turns"""
     cuda_graph_max_bs: int = 64
-    # the compression method the engine scores chunks with (tangram.kernels.scoring) and the budget scope it runs
-    # under: dynamic mode selects by it (per-layer: each layer's top-k over its heads; cross-layer: one top-k over
-    # all layers of a chunk; uniform: each head's top-k), and the default profile is the one calibrated for it
-    score_method: str = "ada-snapkv"
-    budget_scope: str = "per-layer"
-    # tensor parallelism (issue 16): ``tp`` GPUs serve one replica, each holding H/tp KV heads of every layer;
-    # ``placement`` picks which heads (tangram.placement: "contiguous" = the Megatron split, "balanced" =
-    # budget-balanced groups per rank)
+    """pure-decode steps of up to this many requests (rounded up to a power of two) replay a captured CUDA graph
+    in the engine and are priced as graph replays by the simulator; 0 = every step eager"""
+    score_method: str = option("ada-snapkv", choices=METHODS)
+    """compression method the engine scores chunks with (tangram.kernels.scoring); the default profile is the
+    one calibrated for it"""
+    budget_scope: str = option("per-layer", choices=SCOPES)
+    """budget scope the method runs under: per-layer (each layer's top-k over its heads), cross-layer (one top-k
+    over all layers of a chunk) or uniform (each head's top-k)"""
     tp: int = 1
-    placement: str = "balanced"
+    """tensor-parallel GPUs per replica (issue 16), each holding H/tp KV heads of every layer and 1/tp of the
+    weights (must divide the model's KV heads, query heads, intermediate size and vocabulary; H_p must divide a
+    rank's heads); --replicas and --target-rate count replicas of tp GPUs"""
+    placement: str = option("balanced", choices=PLACEMENTS)
+    """which KV heads each rank holds under tp > 1 (tangram.placement): contiguous (the Megatron split) or
+    balanced (budget-balanced head groups per rank)"""
 
     def __post_init__(self) -> None:
         mode = MODE_ALIASES.get(self.mode, self.mode)
@@ -207,11 +233,19 @@ class EngineConfig:
             raise ConfigError(f"decode_partition must be static, runtime or aot, got {self.decode_partition!r}")
         if self.cuda_graph_max_bs < 0:
             raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.kv_pool_bytes is not None and self.kv_pool_bytes <= 0:
+            raise ConfigError(f"kv_pool_bytes must be > 0, got {self.kv_pool_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.activation_reserve_bytes < 0:
+            raise ConfigError(f"activation_reserve_bytes must be >= 0, got {self.activation_reserve_bytes}")
+        if not self.n_cta_scale > 0:
+            raise ConfigError(f"n_cta_scale must be > 0, got {self.n_cta_scale}")
         check_method_scope(self.score_method, self.budget_scope)
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp (tensor-parallel degree) must be an integer >= 1, got {self.tp!r}")
-        if self.placement not in ("contiguous", "balanced"):
-            raise ConfigError(f"placement must be contiguous or balanced, got {self.placement!r}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"placement must be {' or '.join(PLACEMENTS)}, got {self.placement!r}")
 
     # -- resolved switches
     @property
@@ -322,6 +356,6 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES",
+    "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES", "PLACEMENTS",
     "get_model", "get_gpu", "gpu_for_device_name", "kv_pool_bytes", "divisors", "ceil_div",
 ]

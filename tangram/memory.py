@@ -7,15 +7,15 @@ so the numbers are those the engine and the simulator would reserve.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import pandas as pd
 
-from tangram.budgets import BudgetProfile, synthetic_profile
+from tangram.budgets import BudgetProfile
+from tangram.cli import cli_main, from_cli, parse, spec_parser
 from tangram.config import EngineConfig, get_model
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
 from tangram.plan import StepResult
 from tangram.scheduler import Scheduler
 
@@ -28,15 +28,20 @@ LAYOUTS = {
 }
 
 
-def account(model_name: str, prompts: list[int], profile: BudgetProfile, *, rho: float, heads_per_group: int = 4,
-            page_size: int = 16, chunk: int = 2048, alpha: float = 2.0, seed: int = 0,
+# engine options that change what a layout reserves (the layouts set the mode and the switches themselves)
+ENGINE_OPTIONS = ("page_size", "heads_per_group", "alpha", "rho", "chunk_size", "max_batched_tokens", "max_num_seqs",
+                  "session_cache", "score_method", "budget_scope")
+
+
+def account(model_name: str, prompts: list[int], profile: BudgetProfile, engine: EngineConfig, *, seed: int = 0,
             layouts: dict | None = None) -> pd.DataFrame:
-    """Prefill every prompt (one session each) under each layout; report reserved/live bytes."""
+    """Prefill every prompt (one session each) under each layout (``engine`` with the layout's mode and
+    clustering); report reserved/live bytes."""
     model = get_model(model_name)
+    page_size = engine.page_size
     rows = []
     for name, kw in (layouts or LAYOUTS).items():
-        eng = EngineConfig(rho=rho, heads_per_group=heads_per_group, page_size=page_size, chunk_size=chunk,
-                           max_batched_tokens=max(chunk, 8192), alpha=alpha, **kw)
+        eng = engine.with_(max_batched_tokens=max(engine.chunk_size, engine.max_batched_tokens), **kw)
         # ample for any layout (every table of every request may hold all its tokens): the point is what gets reserved
         ample = len(prompts) * model.num_layers * model.num_kv_heads * (max(prompts) // page_size + 2)
         s = Scheduler(model, eng, profile, num_pages=ample)
@@ -61,41 +66,28 @@ def account(model_name: str, prompts: list[int], profile: BudgetProfile, *, rho:
     return df
 
 
-@cli_errors
+def _parser():
+    p = spec_parser("tangram-mem", __doc__, ("model", "profile", "seed", *ENGINE_OPTIONS))
+    p.add_argument("--tokens", type=int, nargs="+", default=[100_000], help="prompt tokens, one request each")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+@cli_main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tangram-mem", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[100_000], help="prompt tokens, one request each")
-    ap.add_argument("--rho", type=float, default=0.3)
-    ap.add_argument("--hp", type=int, default=4)
-    ap.add_argument("--alpha", type=float, default=2.0)
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--profile", help="BudgetProfile file (default: synthetic profile, seed --seed)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    try:
-        a = ap.parse_args(argv)
-    except SystemExit as e:
-        raise SystemExit(2 if e.code else 0)
-    model = get_model(a.model)
+    a = parse(_parser(), argv)
+    spec = from_cli(a, modes=[m["mode"] for m in LAYOUTS.values()])
+    e = spec.engine
     if any(t <= 0 for t in a.tokens):
         raise ConfigError("--tokens must be positive")
-    if a.profile:
-        prof = BudgetProfile.load(a.profile)
-        prof.check_model(model.num_layers, model.num_kv_heads, model.name)
-    else:
-        prof = synthetic_profile(model.num_layers, model.num_kv_heads, a.rho, alpha=a.alpha, seed=a.seed,
-                                 model=model.name)
-    df = account(a.model, a.tokens, prof, rho=a.rho, heads_per_group=a.hp, page_size=a.page_size, chunk=a.chunk,
-                 alpha=a.alpha, seed=a.seed)
-    src = a.profile or f"synthetic (seed {a.seed})"
+    df = account(spec.model.name, a.tokens, spec.profile, e.with_(mode="tangram"), seed=spec.seed)
+    src = spec.profile_label
     if a.json:
-        print(json.dumps({"model": a.model, "tokens": a.tokens, "rho": a.rho, "hp": a.hp, "profile": src,
-                          "layouts": df.to_dict(orient="records")}))
+        print(json.dumps({"model": spec.model.name, "tokens": a.tokens, "rho": e.rho, "hp": e.heads_per_group,
+                          "profile": src, "layouts": df.to_dict(orient="records")}))
     else:
-        print(f"{a.model}, requests {a.tokens} tokens, rho={a.rho}, H_p={a.hp}, alpha={a.alpha}, P={a.page_size}, "
-              f"profile: {src}")
+        print(f"{spec.model.name}, requests {a.tokens} tokens, rho={e.rho}, H_p={e.heads_per_group}, "
+              f"alpha={e.alpha}, P={e.page_size}, profile: {src}")
         show = df.assign(GiB_reserved=df.bytes_reserved / 2**30, GiB_live=df.bytes_live / 2**30)
         print(show[["layout", "pages", "GiB_reserved", "GiB_live", "fragmentation", "vs_full"]].to_string(
             index=False, float_format=lambda x: f"{x:.3f}"))

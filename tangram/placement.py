@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from tangram.errors import ConfigError, cli_errors
-
-PLACEMENTS = ("contiguous", "balanced")
+from tangram.cli import cli_main
+from tangram.config import PLACEMENTS
+from tangram.errors import ConfigError
 
 
 def check_tp(num_kv_heads: int, tp: int, heads_per_group: int | None = None) -> int:
@@ -236,59 +236,53 @@ def imbalance_table(B: np.ndarray, tp: int, heads_per_group: int, *, context: in
     return pd.DataFrame(rows)
 
 
-@cli_errors
+def _parser():
+    from tangram.cli import add_sweep, spec_parser
+    from tangram.spec import OPTIONS
+
+    # the deployment's options that shape a placement (flags generated from the option fields); the TP degrees
+    # compared are the tool's own sweep of EngineConfig.tp
+    p = spec_parser("tangram-placement", "Per-rank KV pages and decode reads of contiguous vs budget-balanced KV-head "
+                    "placement under tensor parallelism.",
+                    ("model", "profile", "seed", "rho", "alpha", "page_size", "heads_per_group", "clustering"),
+                    config=False, show={"heads_per_group": "all KV heads of a rank, per TP degree",
+                                        "alpha": f"the profile's own; a synthetic one's {OPTIONS['alpha'].default}"})
+    add_sweep(p, "tp", "tensor-parallel degrees compared", default=[2])
+    p.add_argument("--context", type=int, default=32768, help="tokens of the request whose KV is placed (default "
+                                                                "32768)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    return p
+
+
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     """``tangram-placement``: the imbalance table of contiguous vs balanced head placement for a model/profile."""
-    import argparse
     import json
 
-    from tangram.budgets import BudgetProfile, synthetic_profile
-    from tangram.config import get_model
+    from tangram.cli import from_cli, parse, spec_overrides
 
-    ap = argparse.ArgumentParser(prog="tangram-placement",
-                                 description="Per-rank KV pages and decode reads of contiguous vs budget-balanced "
-                                             "KV-head placement under tensor parallelism.")
-    ap.add_argument("--model", default="llama-3.1-8b")
-    ap.add_argument("--profile", help="BudgetProfile file (default: synthetic profile, seed --seed, labelled)")
-    ap.add_argument("--tp", type=int, nargs="+", default=[2], help="tensor-parallel degrees")
-    ap.add_argument("--hp", type=int, default=None, help="heads per group H_p (default: all heads of a rank)")
-    ap.add_argument("--rho", type=float, default=0.25)
-    ap.add_argument("--alpha", type=float, default=None, help="eq. 5 margin (default: the profile's, else 2)")
-    ap.add_argument("--context", type=int, default=32768, help="tokens of the request whose KV is placed")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--adjacent", action="store_true", help="group a rank's heads in index order (no clustering)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    try:
-        a = ap.parse_args(argv)
-    except SystemExit as e:
-        raise SystemExit(2 if e.code else 0)
-    model = get_model(a.model)
-    if a.profile:
-        prof = BudgetProfile.load(a.profile)
-        prof.check_model(model.num_layers, model.num_kv_heads, model.name)
-        src = a.profile
-    else:
-        prof = synthetic_profile(model.num_layers, model.num_kv_heads, a.rho, alpha=2.0 if a.alpha is None else a.alpha,
-                                 seed=a.seed, model=model.name)
-        src = f"synthetic (tangram.budgets.synthetic_profile, seed {a.seed}, rho {a.rho:g})"
-    if a.alpha is not None:
-        prof = prof.with_alpha(a.alpha)
+    a = parse(_parser(), argv)
+    given = spec_overrides(a)
+    # H_p left out: each TP degree groups all KV heads of a rank (the spec is built with a placeholder H_p of 1)
+    spec = from_cli(a, **({} if "heads_per_group" in given else {"heads_per_group": 1}))
+    model, eng, prof = spec.model, spec.engine, spec.profile
+    if "alpha" in given:  # a profile file keeps its own margin unless one is given
+        prof = prof.with_alpha(eng.alpha)
     if a.context <= 0:
-        raise ConfigError("--context must be positive")
+        raise ConfigError(f"--context must be positive, got {a.context}")
     frames = []
     for tp in a.tp:
-        hp = a.hp if a.hp is not None else model.num_kv_heads // max(tp, 1)
+        hp = given.get("heads_per_group") or model.num_kv_heads // max(tp, 1)
         check_tp(model.num_kv_heads, tp, hp)
-        frames.append(imbalance_table(prof.B, tp, hp, context=a.context, page_size=a.page_size,
-                                      clustered=not a.adjacent))
+        frames.append(imbalance_table(prof.B, tp, hp, context=a.context, page_size=eng.page_size,
+                                      clustered=eng.clustering))
     df = pd.concat(frames, ignore_index=True)
     if a.json:
-        print(json.dumps({"model": model.name, "profile": src, "alpha": prof.alpha, "context": a.context,
-                          "rows": df.to_dict(orient="records")}))
+        print(json.dumps({"model": model.name, "profile": spec.profile_label, "alpha": prof.alpha,
+                          "context": a.context, "rows": df.to_dict(orient="records")}))
     else:
-        print(f"{model.name}, one request of {a.context} tokens, alpha={prof.alpha:g}, P={a.page_size}, "
-              f"profile: {src}")
+        print(f"{model.name}, one request of {a.context} tokens, alpha={prof.alpha:g}, P={eng.page_size}, "
+              f"profile: {spec.profile_label}")
         print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     return 0
 

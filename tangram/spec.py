@@ -1,39 +1,181 @@
-"""The deployment spec: what a run serves (model, GPU, engine config, budget profile) and how it is replayed
-(replicas, router, seed, cost tables), and its resolution from a ``--config`` file plus command-line flags."""
+"""The deployment spec: what a run serves (model, GPU, engine config, budget profile), on what (trace, rate scale,
+modes, SLO) and how it is replayed or run (replicas, router, seed, cost tables, weights, device, ...).
+
+Every command-line tool builds its configuration with :func:`load`: a ``--config`` JSON file, then the options
+given on the command line (:mod:`tangram.cli` generates the flags from this class's and
+:class:`~tangram.config.EngineConfig`'s option fields: one declaration, one default, one help text per option).
+The config file is flat, the spec's options and EngineConfig's fields side by side (``{"model": "llama-3.1-8b",
+"mode": "tangram", "heads_per_group": 2}``), as ``tangram-tune`` writes its best configuration.
+"""
 from __future__ import annotations
 
 import json
-import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 from tangram.budgets import BudgetProfile
 from tangram.config import MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, get_gpu, get_model
 from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
-from tangram.harness.slo import DEFAULT_SLO, parse_slo
+from tangram.harness.slo import parse_slo
+from tangram.options import Spec, check, finish, option, options_of
 from tangram.placement import check_tp
 
-# keys of a --config JSON that are not EngineConfig fields
-RUN_KEYS = {"model", "gpu", "trace", "rate_scale", "replicas", "router", "seed", "profile", "modes", "mode",
-            "tables", "calibration", "slo", "target_rate", "engine_overhead", "weights", "out", "probe",
-            "accuracy_table"}
+RAGGED_MODES = ("br+rp", "tangram")
+
+
+def parse_modes(values) -> list[str]:
+    """``"full,tangram"`` or ``["full", "br+rp,tangram"]`` -> the distinct modes in order (aliases resolved); none
+    given: every mode."""
+    if not values:
+        return list(MODES)
+    out: list[str] = []
+    for v in [values] if isinstance(values, str) else values:
+        if not isinstance(v, str):
+            raise ConfigError(f"--mode: expected mode names, got {json.dumps(v)}")
+        for m in v.split(","):
+            m = m.strip().lower()
+            if not m:
+                continue
+            m = MODE_ALIASES.get(m, m)
+            if m not in MODES:
+                raise ConfigError(f"--mode: unknown mode {m!r}; choose from {', '.join(MODES)}")
+            if m not in out:
+                out.append(m)
+    return out
+
+
+def _tables(v: str):
+    if v.lower() == "none":  # roofline only, whatever tables are installed
+        return None
+    if v != "auto" and not Path(v).is_dir():
+        raise ConfigError(f"--tables: {v} is not a folder of cost tables")
+    return v
+
+
+def _probe(v: str) -> str:
+    if not Path(v).is_file():
+        raise ConfigError(f"--probe: {v} is not a file (a tangram-probe JSON)")
+    return v
+
+
+def _slo(v: str) -> str:
+    parse_slo(v)  # checked here, kept as text (reports and tuned configs quote it)
+    return v
+
+
+def _positive(name: str, v):
+    if v is not None and not v > 0:
+        raise ConfigError(f"{name} must be > 0, got {v}")
 
 
 @dataclass
 class DeploymentSpec:
-    """Everything a deployment needs besides the trace and the mode."""
+    """One deployment and how to run it. Built by :func:`load` (every CLI) or directly (tests, the tuner).
 
-    model: ModelConfig
-    gpu: GPUConfig
-    engine: EngineConfig
-    profile: BudgetProfile
-    replicas: int = 1
-    router: str = "session-affinity"
-    seed: int = 0
-    tables: object = "auto"  # cost tables folder for the simulator ("auto": the GPU's; None: roofline only)
-    engine_overhead: bool = True  # the simulator prices the eager engine's fitted per-step overhead
-    probe: str | None = None  # a tangram-probe JSON of the machine at hand: the simulator rescales its tables to it
+    A field with a docstring is an option (:mod:`tangram.options`): a config-file key and a flag of the tools
+    that take its group."""
+
+    model: ModelConfig = option(group="deployment", input=str, parse=get_model, input_default="llama-3.1-8b")
+    """model preset (tangram.config.MODELS)"""
+    gpu: GPUConfig = option(group="deployment", input=str, parse=get_gpu, input_default="h100-80gb")
+    """GPU preset: its memory sizes the KV pool, its family picks the simulator's cost tables"""
+    engine: EngineConfig  # its fields are options of their own (tangram.config.EngineConfig)
+    profile: BudgetProfile = option(group="deployment", input=str, optional=True, input_default=None, metavar="FILE",
+                                    show="the shipped calibration of the model, score method, budget scope and rho "
+                                         "(tangram.profiles.registry), else a synthetic profile (labelled)")
+    """budget profile file (.npz/.json)"""
+    replicas: int = option(1, group="replay")
+    """engine replicas serving the trace"""
+    router: str = option("session-affinity", group="replay", choices=ROUTERS)
+    """which replica serves a turn"""
+    seed: int = option(0, group="deployment")
+    """seed of every random draw: the cost model's, the synthetic profile's, the engine's weights, prompt ids and
+    sampling"""
+    tables: object = option("auto", group="sim", input=str, optional=False, parse=_tables, aliases=("--calibration",),
+                            keys=("calibration",), metavar="DIR")
+    """cost tables folder of the simulator ('auto': sim/tables/<gpu>/; 'none': roofline only)"""
+    engine_overhead: bool = option(True, group="sim")
+    """price the eager engine's fitted per-step issue/sync overhead (engine_overhead.json of the tables folder);
+    --no-engine-overhead prices kernels back to back (a CUDA-graph engine)"""
+    probe: str | None = option(None, group="sim", parse=_probe, metavar="FILE")
+    """rescale the cost tables to the machine a tangram-probe JSON was measured on"""
+    trace: str | None = option(None, group="trace", metavar="TRACE", show="the bundled default trace")
+    """multi-turn JSONL trace"""
+    rate_scale: float | None = option(None, group="trace")
+    """multiply the trace's session arrival rate"""
+    modes: tuple | None = option(None, group="deployment", flag="--mode", keys=("mode",), input=(str, list),
+                                 parse=lambda v: tuple(parse_modes(v)), repeat=True, metavar="MODE",
+                                 show="all: " + ",".join(MODES))
+    """serving mode(s), repeatable or a comma list"""
+    slo: str | None = option(None, group="sim", parse=_slo,
+                             show="none; a capacity search uses tangram.harness.slo.DEFAULT_SLO")
+    """service-level objective, e.g. 'ttft_p99=2s,tpot_p99=0.1s'"""
+    target_rate: float | None = option(None, group="sim")
+    """requests/s to provision for (a capacity search then finds the replicas needed, by simulating the cluster)"""
+    accuracy_table: str | None = option(None, group="sim", metavar="TABLE_OR_MODEL",
+                                        show="the model's own; another model's is labelled borrowed")
+    """measured accuracy table file (tangram-accuracy), or a model whose shipped table to use"""
+    weights: str = option("auto", group="run")
+    """engine weights: random | PATH.gguf | HF safetensors dir | auto (the packaged SmolLM2 GGUF for smollm2-135m,
+    seeded random weights otherwise)"""
+    device: str = option("auto", group="run", choices=("auto", "cuda", "cpu"))
+    """engine device"""
+    dtype: str = option("auto", group="run", choices=("auto", "bf16", "fp16", "fp32"))
+    """engine dtype (auto: bf16 on a GPU, fp32 on the CPU)"""
+    dynamic_keep: str = option("auto", group="run", choices=("auto", "topk", "profile"))
+    """dynamic mode's per-head keep in the engine: topk (global top-k of the scores), profile (drawn from the
+    budget profile; for random weights, whose scores have no head structure) or auto (profile with random weights,
+    else topk)"""
+    temperature: float = option(0.0, group="run")
+    """sampling temperature (0 = greedy)"""
+    top_p: float = option(1.0, group="run")
+    """nucleus sampling threshold, in (0, 1]"""
+    out: str | None = option(None, group="output", metavar="DIR", show="the tool's")
+    """output folder"""
+    profile_label: str = ""  # what reports call the profile (its file, or how the default was chosen)
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.router not in ROUTERS:
+            raise ConfigError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
+        _positive("--rate-scale", self.rate_scale)
+        _positive("--target-rate", self.target_rate)
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def mode_list(self) -> list[str]:
+        """The modes to run: the given ones, else all."""
+        return list(self.modes) if self.modes else list(MODES)
+
+    @property
+    def run_mode(self) -> str:
+        """The one mode a config runs in (the engine's): its only mode if it names one, else the engine config's."""
+        return self.modes[0] if self.modes and len(self.modes) == 1 else self.engine.mode
+
+    @property
+    def trace_path(self) -> str:
+        from tangram.traces import default_trace_path
+
+        return self.trace or str(default_trace_path())
+
+    def load_trace(self):
+        """The trace, read and validated, its session arrivals scaled by ``rate_scale``."""
+        from tangram.traces import load_trace
+
+        trace = load_trace(self.trace_path)
+        return trace.scaled(float(self.rate_scale)) if self.rate_scale is not None else trace
+
+    def slo_targets(self, default: str | None = None) -> dict | None:
+        """The SLO as {metric: seconds} (``default`` when the spec names none), or None."""
+        text = self.slo or default
+        return parse_slo(text) if text else None
 
 
 def default_profile(model: ModelConfig, rho: float, alpha: float, seed: int = 0, method: str = "ada-snapkv",
@@ -66,113 +208,109 @@ def adopt_profile_method(engine: EngineConfig, profile: BudgetProfile, named: di
     return engine.with_(score_method=profile.method, budget_scope=profile.scope)
 
 
-def _load_config(path: str) -> dict:
-    p = Path(path)
+
+
+# --------------------------------------------------------------------------- the loader
+
+SPEC_OPTIONS: tuple[Spec, ...] = options_of(DeploymentSpec)
+ENGINE_OPTIONS: tuple[Spec, ...] = options_of(EngineConfig)
+OPTIONS: dict[str, Spec] = {s.name: s for s in SPEC_OPTIONS + ENGINE_OPTIONS}
+KEYS: dict[str, str] = {k: s.name for s in OPTIONS.values() for k in (s.name, *s.opt.keys)}  # file key -> option
+assert len(OPTIONS) == len(SPEC_OPTIONS) + len(ENGINE_OPTIONS), "a spec option shadows an engine option"
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+         defaults: Mapping[str, Any] | None = None) -> DeploymentSpec:
+    """The spec of a config file (or none) with ``overrides`` on top: field defaults < ``defaults`` (a tool's own,
+    e.g. tangram-sim's output folder) < the file < ``overrides`` (the command line's options).
+
+    Keys are option names (old config-file names work: ``calibration``, ``mode``); values are JSON-like (a model's
+    name, not its ModelConfig). Every value is type-checked; a bad one is an error naming the file, line and key,
+    or the option."""
+    given: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    for src, items in (("default", defaults), ("option", overrides)):
+        for key, value in (items or {}).items():
+            name = KEYS.get(key)
+            if name is None:
+                raise ConfigError(f"unknown option {key!r}")
+            try:
+                given[name] = check(OPTIONS[name], value, text=False)
+            except ConfigError as e:
+                raise ConfigError(f"{OPTIONS[name].flag}: {e}") from None
+            where[name] = src
+        if src == "default" and path is not None:  # the file lies between a tool's defaults and the command line
+            for key, (value, line) in _read_config(str(path)).items():
+                name = KEYS.get(key)
+                if name is None:
+                    raise InputError(str(path), line, key, "unknown option (options: docs/configuration.md)")
+                if where.get(name) == "file":
+                    raise InputError(str(path), line, key, f"{name} given twice (by another of its keys)")
+                try:
+                    given[name] = check(OPTIONS[name], value, text=False)
+                except ConfigError as e:
+                    raise InputError(str(path), line, key, str(e)) from None
+                where[name] = "file"
     try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InputError(path, None, None, "config file not found") from None
-    except json.JSONDecodeError as e:
-        raise InputError(path, e.lineno, None, f"invalid JSON: {e.msg}") from None
-    if not isinstance(d, dict):
-        raise InputError(path, None, None, "expected a JSON object of options")
-    return d
-
-
-def parse_modes(values) -> list[str]:
-    if not values:
-        return list(MODES)
-    out = []
-    for v in values:
-        for m in str(v).split(","):
-            m = m.strip().lower()
-            if not m:
-                continue
-            m = MODE_ALIASES.get(m, m)
-            if m not in MODES:
-                raise ConfigError(f"--mode: unknown mode {m!r}; choose from {', '.join(MODES)}")
-            if m not in out:
-                out.append(m)
-    return out
-
-
-def resolve(args, default_out: str) -> dict:
-    """Merge --config (lowest), then command-line flags, into everything a run needs."""
-    from tangram.traces import default_trace_path, load_trace
-
-    cfg = _load_config(args.config) if args.config else {}
-    eng_d = {k: v for k, v in cfg.items() if k not in RUN_KEYS}
-    flag_map = {"rho": "rho", "hp": "heads_per_group", "alpha": "alpha", "page_size": "page_size",
-                "chunk": "chunk_size", "max_batched_tokens": "max_batched_tokens", "tp": "tp",
-                "placement": "placement"}
-    for a, f in flag_map.items():
-        if getattr(args, a, None) is not None:
-            eng_d[f] = getattr(args, a)
-    try:
-        engine = EngineConfig.from_dict(eng_d)
-    except TypeError as e:
-        raise ConfigError(f"bad engine option: {e}") from None
+        return _build(given, where, str(path) if path is not None else None)
     except ConfigError as e:
-        if args.config:
-            raise InputError(args.config, None, None, str(e)) from None
+        if path is not None:
+            raise InputError(str(path), None, None, str(e)) from None
         raise
-    model = get_model(args.model or cfg.get("model", "llama-3.1-8b"))
-    gpu = get_gpu(args.gpu or cfg.get("gpu", "h100-80gb"))
-    if engine.ragged_paging or engine.mode in ("br+rp", "tangram") or any(m in ("br+rp", "tangram") for m in parse_modes(args.mode)):
-        if model.num_kv_heads % engine.heads_per_group:
-            raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
+
+
+def _build(given: dict, where: dict, path: str | None) -> DeploymentSpec:
+    vals = {n: finish(OPTIONS[n], v) for n, v in given.items()}
+    eng = {s.name: vals[s.name] for s in ENGINE_OPTIONS if s.name in vals}
+    modes = vals.get("modes")
+    if modes and len(modes) == 1:  # a config of one mode: the engine serves in it
+        eng["mode"] = modes[0]
+    engine = EngineConfig(**eng)
+    kw = {s.name: vals[s.name] for s in SPEC_OPTIONS if s.name in vals}
+    model = kw.pop("model", None) or get_model(OPTIONS["model"].default)
+    gpu = kw.pop("gpu", None) or get_gpu(OPTIONS["gpu"].default)
+    ragged = engine.ragged_paging or any(m in RAGGED_MODES for m in (modes or MODES))
+    if ragged and model.num_kv_heads % engine.heads_per_group:
+        raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
     if engine.tp > 1:  # equal KV heads per rank, whole head groups per rank (tangram.placement.check_tp)
-        ragged = engine.ragged_paging or engine.mode in ("br+rp", "tangram") or \
-            any(m in ("br+rp", "tangram") for m in parse_modes(args.mode))
         check_tp(model.num_kv_heads, engine.tp, engine.heads_per_group if ragged else None)
         for what, v in (("query heads", model.num_q_heads), ("intermediate size", model.intermediate),
                         ("vocabulary", model.vocab)):
             if v % engine.tp:
                 raise ConfigError(f"--tp {engine.tp} must divide {model.name}'s {what} ({v})")
-    seed = args.seed if args.seed is not None else int(cfg.get("seed", 0))
-    prof_path = args.profile or cfg.get("profile")
+    prof_path = kw.pop("profile", None)
     if prof_path:
         profile = BudgetProfile.load(prof_path)
         try:
             profile.check_model(model.num_layers, model.num_kv_heads, model.name)
         except ConfigError as e:
             raise InputError(str(prof_path), None, None, str(e)) from None
-        engine = adopt_profile_method(engine, profile, eng_d, str(prof_path))
-        profile_label = str(prof_path)
+        named = {n: given[n] for n in ("score_method", "budget_scope") if n in given and where[n] != "default"}
+        engine = adopt_profile_method(engine, profile, named, path or str(prof_path))
+        label = str(prof_path)
     else:
-        profile, profile_label = default_profile_labelled(model, engine.rho, engine.alpha, seed, engine.score_method,
-                                                          engine.budget_scope)
-    trace_path = args.trace or cfg.get("trace") or str(default_trace_path())
-    trace = load_trace(trace_path)
-    rate_scale = args.rate_scale if args.rate_scale is not None else cfg.get("rate_scale")
-    if rate_scale is not None:
-        trace = trace.scaled(float(rate_scale))
-    replicas = args.replicas if args.replicas is not None else int(cfg.get("replicas", 1))
-    if replicas < 1:
-        raise ConfigError(f"--replicas must be >= 1, got {replicas}")
-    router = args.router or cfg.get("router", "session-affinity")
-    if router not in ROUTERS:
-        raise ConfigError(f"unknown router {router!r}")
-    modes = parse_modes(args.mode or cfg.get("modes") or ([cfg["mode"]] if "mode" in cfg else None))
-    slo_text = args.slo or cfg.get("slo")
-    slo_default = bool(args.capacity and not slo_text)  # the capacity search's documented default SLO
-    slo = parse_slo(DEFAULT_SLO if slo_default else slo_text) if slo_text or slo_default else None
-    target = args.target_rate if args.target_rate is not None else cfg.get("target_rate")
-    if target is not None and not (math.isfinite(float(target)) and float(target) > 0):
-        raise ConfigError(f"--target-rate must be > 0 requests/s, got {target}")
-    # "calibration" is the config key's name before the tables were renamed (one release of grace)
-    tables = args.tables or cfg.get("tables") or cfg.get("calibration") or "auto"
-    if str(tables).lower() == "none":  # roofline only, whatever tables are installed
-        tables = None
-    elif tables != "auto" and not Path(tables).is_dir():
-        raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
-    eo = cfg.get("engine_overhead", True) if getattr(args, "engine_overhead", None) is None else args.engine_overhead
-    if not isinstance(eo, bool):
-        raise ConfigError(f"engine_overhead must be true or false, got {eo!r}")
-    probe = getattr(args, "probe", None) or cfg.get("probe")
-    if probe is not None and not Path(probe).is_file():
-        raise ConfigError(f"--probe: {probe} is not a file (a tangram-probe JSON)")
-    spec = DeploymentSpec(model, gpu, engine, profile, replicas, router, seed, tables, eo, probe)
-    return {"spec": spec, "trace": trace, "trace_path": trace_path, "modes": modes, "slo": slo, "slo_default": slo_default,
-            "target_rate": float(target) if target is not None else None, "profile_label": profile_label,
-            "out": Path(args.out or cfg.get("out", default_out)), "config": cfg}
+        profile, label = default_profile_labelled(model, engine.rho, engine.alpha, kw.get("seed", 0),
+                                                  engine.score_method, engine.budget_scope)
+    return DeploymentSpec(model, gpu, engine, profile, **kw, profile_label=label)
+
+
+def _read_config(path: str) -> dict[str, tuple[Any, int | None]]:
+    """A config file's keys -> (value, line of the key)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise InputError(path, None, None, "config file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(path, None, None, f"cannot read the config file ({e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(path, e.lineno, None, f"invalid JSON: {e.msg}") from None
+    if not isinstance(d, dict):
+        raise InputError(path, None, None, "expected a JSON object of options")
+    lines = text.splitlines()
+    out = {}
+    for key, value in d.items():
+        pat = re.compile(r'"' + re.escape(json.dumps(key)[1:-1]) + r'"\s*:')
+        out[key] = (value, next((i + 1 for i, ln in enumerate(lines) if pat.search(ln)), None))
+    return out

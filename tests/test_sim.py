@@ -213,6 +213,21 @@ def test_decode_time_respects_bandwidth_bounds(batch, seed, part):
     assert np.isfinite(t) and t > 0
 
 
+@pytest.mark.parametrize("part", ["aot", "static", "runtime"])
+def test_decode_time_is_the_kv_bytes_from_the_model_shape_over_bandwidth(part):
+    """A bandwidth-bound decode step (128 requests x 8K tokens on every head) streams every kept K and V once:
+    its time is within launches and the merge of bytes / bandwidth, the bytes counted by hand from Llama-3.1-8B's
+    shape (2 x 128 dims x 2 bytes per token per KV head), never from the cost model's own constants (so a cost
+    model that halves the decode bytes fails here)."""
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=3)
+    cm = _cost(EngineConfig(mode="tangram", decode_partition=part), prof)
+    kd, ctx = 128, 8192
+    lens = np.full((kd, 32, 8), ctx)
+    kv_bytes = kd * 32 * 8 * ctx * (2 * 128 * 2)  # requests x layers x KV heads x tokens x (K+V) x dims x bf16
+    t, _ = cm._decode_attention(lens)
+    assert kv_bytes / cm.dec_bw <= t <= 1.25 * kv_bytes / cm.dec_bw + 32 * cm.dec_launch, (t, kv_bytes / cm.dec_bw)
+
+
 def _prefill_run(rho: float, seed: int) -> dict:
     eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
     prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)
@@ -503,27 +518,29 @@ def test_resolver_uses_shipped_profiles_and_a_profiles_method(tmp_path):
     others is rejected with the file and field."""
     from tangram.errors import InputError
     from tangram.profiles import default_profile_path
+    from tangram.cli import from_cli, parse
     from tangram.sim import cli
-    from tangram.spec import resolve
+
+    def spec_of(*argv):
+        return from_cli(parse(cli._parser(), [str(tr), *argv]))
 
     tr = tmp_path / "t.jsonl"
     save_trace(_trace(2, seed=1), tr)
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"model": "smollm2-135m", "rho": 0.5, "score_method": "keydiff",
                                "budget_scope": "cross-layer", "heads_per_group": 3}))
-    r = resolve(cli._parser().parse_args([str(tr), "--config", str(cfg)]), "out")
+    spec = spec_of("--config", str(cfg))
     shipped = default_profile_path("smollm2-135m", "keydiff", "cross-layer", 0.5)
-    assert shipped is not None and shipped.name in r["profile_label"]
-    prof = r["spec"].profile
+    assert shipped is not None and shipped.name in spec.profile_label
+    prof = spec.profile
     assert (prof.method, prof.scope, prof.rho, prof.n_samples > 0) == ("keydiff", "cross-layer", 0.5, True)
-    r = resolve(cli._parser().parse_args([str(tr), "--rho", "0.3"]), "out")  # llama: nothing shipped
-    assert r["spec"].profile.synthetic and "synthetic" in r["profile_label"]
-    r = resolve(cli._parser().parse_args([str(tr), "--model", "smollm2-135m", "--hp", "3", "--profile",
-                                          str(shipped)]), "out")
-    assert (r["spec"].engine.score_method, r["spec"].engine.budget_scope) == ("keydiff", "cross-layer")
+    spec = spec_of("--rho", "0.3")  # llama: nothing shipped
+    assert spec.profile.synthetic and "synthetic" in spec.profile_label
+    spec = spec_of("--model", "smollm2-135m", "--hp", "3", "--profile", str(shipped))
+    assert (spec.engine.score_method, spec.engine.budget_scope) == ("keydiff", "cross-layer")
     cfg.write_text(json.dumps({"model": "smollm2-135m", "score_method": "tova", "heads_per_group": 3}))
     with pytest.raises(InputError, match="score_method"):
-        resolve(cli._parser().parse_args([str(tr), "--config", str(cfg), "--profile", str(shipped)]), "out")
+        spec_of("--config", str(cfg), "--profile", str(shipped))
 
 
 def test_every_shipped_profile_is_complete_and_labelled():

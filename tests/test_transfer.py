@@ -448,21 +448,16 @@ def test_bad_probe_is_one_line_from_the_cli(tmp_path, capsys):
 def test_bench_records_the_probe_and_its_scales(tmp_path):
     """tangram-bench --probe FILE: the probe lands in out/probe.json and the scales it gives the tables that would
     price the run in the record (metrics.json's run.probe)."""
-    import argparse
     import types
 
     from tangram.engine.bench import record_probe
-    from tangram.spec import resolve as spec_resolve
+    from tangram.spec import load
 
     if not (tables_dir_for("h100-80gb") / "gemm.csv").exists():
         pytest.skip("no H100 cost tables installed")
     t = CostTables.load(tables_dir_for("h100-80gb"))
     f = _write(tmp_path, _probe_of(t, gemm=1.2, copy=1.1))
-    ns = argparse.Namespace(trace=None, model=None, gpu=None, mode=["full"], rho=None, hp=None, alpha=None,
-                            profile=None, page_size=None, chunk=None, max_batched_tokens=None, replicas=None,
-                            router=None, seed=None, out=None, rate_scale=None, config=None, tables=None, slo=None,
-                            capacity=False, target_rate=None)
-    spec = spec_resolve(ns, "out")["spec"]
+    spec = load(None, {"modes": ["full"]})
     rec = record_probe(str(f), spec, types.SimpleNamespace(type="cpu"), tmp_path / "out")
     assert load_probe(tmp_path / "out" / "probe.json")["device"]["name"] == "synthetic"
     assert rec["label"].startswith("rescaled by the probe of synthetic")

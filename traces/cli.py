@@ -9,7 +9,7 @@ import json
 import math
 import sys
 
-from tangram.errors import cli_errors
+from tangram.cli import Parser, cli_main
 
 from .format import Trace, load_trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
@@ -17,12 +17,6 @@ from .importing import ZERO_POLICIES, ImportReport
 from .stats import DEFAULT_MODEL, sanity_warnings, summary
 
 FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line + exit 2, no usage dump
-        print(f"error: {self.prog}: {message}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def _positive_float(name: str):
@@ -71,8 +65,8 @@ def _mix(s: str) -> tuple[float, float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tangram-trace", description="Multi-turn trace tools (format: docs/traces.md).")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = Parser(prog="tangram-trace", description="Multi-turn trace tools (format: docs/traces.md).")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
 
     c = sub.add_parser("check", help="validate a trace; one summary line when valid, warnings on stderr")
     c.add_argument("file")
@@ -121,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--truth", help="also write the ground truth (parent line per request) as JSON lines")
 
     i = sub.add_parser("import", help="convert a public trace format (docs/traces.md)")
-    fmts = i.add_subparsers(dest="format", required=True, parser_class=_Parser, metavar="{" + ",".join(FORMATS) + "}")
+    fmts = i.add_subparsers(dest="format", required=True, parser_class=Parser, metavar="{" + ",".join(FORMATS) + "}")
     helps = {"mooncake": "Mooncake FAST'25 JSON lines (conversation, tool-agent, synthetic traces)",
              "azure": "Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens; 2023 and 2024)",
              "burstgpt": "BurstGPT CSV (Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type)",
@@ -276,7 +270,7 @@ def _cmd_stats(a) -> int:
     return 0
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if hasattr(a, "max_context"):

@@ -14,39 +14,28 @@ import sys
 import time
 from pathlib import Path
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.cli import add_sweep, cli_main, from_cli, parse, spec_overrides, spec_parser
+from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
 
 DEFAULT_BOUND = 0.05
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, like every other bad input
-        print(f"error: {message} (see tangram-tune --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tangram-tune", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", nargs="?", help="multi-turn JSONL trace (default: the bundled default trace)")
+    # the deployment the study tunes (the engine configuration is what it searches)
+    p = spec_parser("tangram-tune", __doc__, ("model", "gpu", "profile", "seed", "trace", "tables", "slo",
+                                              "accuracy_table", "output"),
+                    skip=("rate_scale",), defaults={"out": "tangram-tune-out", "slo": DEFAULT_SLO}, config=False)
     p.add_argument("--trials", type=int, default=40, help="completed trials the study should hold (default 40)")
     p.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUT/study.db)")
     p.add_argument("--study", default="tangram-tune", help="study name inside the storage")
-    p.add_argument("--out", default="tangram-tune-out", help="output folder")
     p.add_argument("--n-jobs", type=int, default=1, help="worker processes sharing the study (default 1)")
     p.add_argument("--worker-index", type=int,
                    help="index of this worker when several are started by hand on one storage (distinct sampler "
                         "seeds); --n-jobs sets it for the workers it spawns")
-    p.add_argument("--model", default="llama-3.1-8b")
-    p.add_argument("--tp", type=int, nargs="+", default=[1],
-                   help="tensor-parallel degrees to search (default 1; several: the objective is load per GPU)")
-    p.add_argument("--placement", nargs="+", default=["balanced"], choices=["contiguous", "balanced"],
-                   help="KV-head placements to search under tp > 1 (default balanced)")
-    p.add_argument("--gpu", default="h100-80gb")
-    p.add_argument("--profile", help="budget profile file (default: the simulator's synthetic profile for --seed)")
-    p.add_argument("--tables", "--calibration", dest="tables",
-                   help="cost tables folder, or 'none' (default: the simulator's choice)")
-    p.add_argument("--slo", default=DEFAULT_SLO, help=f"SLO of the capacity search (default '{DEFAULT_SLO}')")
+    # tensor parallelism: the TP degrees and placements searched (EngineConfig's tp and placement fields)
+    add_sweep(p, "tp", "tensor-parallel degrees to search (several: the objective is load per GPU)")
+    add_sweep(p, "placement", "KV-head placements to search under tp > 1")
     p.add_argument("--objective", default="pareto", choices=["pareto", "constrained"],
                    help="pareto: maximise load and minimise overflow; constrained: maximise load s.t. "
                         "overflow <= --overflow-bound")
@@ -55,13 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-floor", type=float,
                    help="keep only configurations whose measured task accuracy is >= this share of the full "
                         "cache's (e.g. 0.95), from the model's accuracy table (tangram-accuracy)")
-    p.add_argument("--accuracy-table",
-                   help="accuracy table file, or a model whose shipped table to use (default: the tuned model's "
-                        "own; another model's table is labelled borrowed)")
     p.add_argument("--accuracy-task", default="mean",
                    help="task whose accuracy counts (default: the mean over the table's tasks)")
     p.add_argument("--sampler", default="tpe", choices=["tpe", "nsga2", "random"])
-    p.add_argument("--seed", type=int, default=0, help="simulator/profile seed and base sampler seed")
     p.add_argument("--objective-fast", action="store_true",
                    help="one simulation at --fast-rate-scale instead of a capacity search (tests, smoke runs)")
     p.add_argument("--fast-rate-scale", type=float, default=1.0)
@@ -75,12 +60,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args):
-    from tangram.budgets import BudgetProfile
-    from tangram.config import get_gpu, get_model
-    from tangram.harness import parse_slo
-    from tangram.spec import default_profile
-    from tangram.traces import default_trace_path, load_trace
-
     from .objective import Evaluator
     from .space import SearchSpace
     from .study import Setup
@@ -93,38 +72,33 @@ def _build(args):
         raise ConfigError(f"--overflow-bound must be in [0, 1], got {args.overflow_bound}")
     if args.fast_rate_scale <= 0 or args.capacity_start <= 0 or args.capacity_iters < 0:
         raise ConfigError("--fast-rate-scale and --capacity-start must be > 0, --capacity-iters >= 0")
-    model, gpu = get_model(args.model), get_gpu(args.gpu)
-    trace_path = str(Path(args.trace).resolve()) if args.trace else str(default_trace_path())
-    trace = load_trace(trace_path)
-    slo = parse_slo(args.slo)
+    # the tuned engine starts from the space's fixed fields (mode tangram, EngineConfig's defaults): the default
+    # profile is the one calibrated for them; every trial picks its own H_p among the model's divisors
+    spec = from_cli(args, modes="tangram", heads_per_group=1)
+    model, gpu, profile, tables = spec.model, spec.gpu, spec.profile, spec.tables
+    if spec.trace:
+        spec.trace = str(Path(spec.trace).resolve())  # the study's setup names the trace, wherever it was run from
+    trace_path, trace = spec.trace_path, spec.load_trace()
+    slo_text = spec.slo or DEFAULT_SLO
+    slo = spec.slo_targets(DEFAULT_SLO)
     space = SearchSpace.for_model(model, tp=tuple(args.tp), placement=tuple(args.placement), fixed={"mode": "tangram"})
-    if args.profile:
-        profile = BudgetProfile.load(args.profile)
-        profile.check_model(model.num_layers, model.num_kv_heads, model.name)
-    else:
-        e = space.engine({})
-        profile = default_profile(model, e.rho, e.alpha, args.seed, e.score_method, e.budget_scope)
-    tables = args.tables or "auto"
-    if str(tables).lower() == "none":
-        tables = None
-    elif tables != "auto" and not Path(tables).is_dir():
-        raise ConfigError(f"--tables: {tables} is not a folder of cost tables")
     from tangram.profiles.accuracy import AccuracyModel
 
     if args.accuracy_floor is not None and not (0 < args.accuracy_floor <= 1):
         raise ConfigError(f"--accuracy-floor must be in (0, 1] (a share of the full cache's accuracy), "
                           f"got {args.accuracy_floor}")
-    acc, acc_label = AccuracyModel.for_run(model.name, profile, args.accuracy_table, args.accuracy_task)
+    acc, acc_label = AccuracyModel.for_run(model.name, profile, spec.accuracy_table, args.accuracy_task)
     if args.accuracy_floor is not None and acc is None:
         raise ConfigError(f"--accuracy-floor: {acc_label}")
-    ev = Evaluator(model, gpu, space, profile, trace, slo, seed=args.seed, tables=tables,
+    ev = Evaluator(model, gpu, space, profile, trace, slo, seed=spec.seed, tables=tables,
                    objective="fast" if args.objective_fast else "capacity", fast_rate_scale=args.fast_rate_scale,
                    capacity_start=args.capacity_start, capacity_iters=args.capacity_iters, accuracy=acc)
     ev.accuracy_label = acc_label
-    setup = Setup(model.name, gpu.name, trace_path, args.slo, args.objective, float(args.overflow_bound), args.seed,
-                  bool(args.objective_fast), str(Path(args.profile).resolve()) if args.profile else None,
+    prof_path = spec_overrides(args).get("profile")
+    setup = Setup(model.name, gpu.name, trace_path, slo_text, args.objective, float(args.overflow_bound), spec.seed,
+                  bool(args.objective_fast), str(Path(prof_path).resolve()) if prof_path else None,
                   args.accuracy_floor, str(Path(acc.table.path).resolve()) if acc is not None else None)
-    return ev, space, setup
+    return ev, space, setup, spec
 
 
 def _worker_argv(argv: list[str], i: int) -> list[str]:
@@ -148,8 +122,8 @@ def run(args, argv: list[str]) -> int:
 
     from .study import make_sampler, make_storage, n_complete, open_study
 
-    ev, space, setup = _build(args)
-    out = Path(args.out)
+    ev, space, setup, spec = _build(args)
+    out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     url = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     storage = make_storage(url, args.heartbeat or None, args.grace)
@@ -157,7 +131,7 @@ def run(args, argv: list[str]) -> int:
     widx = args.worker_index or 0
     # sampler seed: distinct per worker, and per resume (so a restarted worker does not replay the same draws)
     probe = open_study(storage, args.study, setup, None, create=True)
-    sseed = args.seed * 1000 + widx + 97 * len(probe.trials)
+    sseed = spec.seed * 1000 + widx + 97 * len(probe.trials)
     study = open_study(storage, args.study, setup, make_sampler(args.sampler, setup.objective, sseed,
                                                                 setup.overflow_bound), create=False)
     before = n_complete(study)
@@ -197,11 +171,10 @@ def run(args, argv: list[str]) -> int:
     return 0
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    return run(args, argv)
+    args = parse(_parser(), argv)
+    return run(args, args._argv)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from tangram.errors import ConfigError
 
 # the paper's default operating point (H_p = 4, alpha = 2, every other field at EngineConfig's default)
 PAPER_DEFAULT = {"heads_per_group": 4, "alpha": 2.0}
+_ENGINE = EngineConfig()  # the defaults of the fields a study does not search
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,13 @@ class SearchSpace:
     # tensor parallelism (issue 16): searched only when given more than one choice (a single choice goes to
     # ``fixed``), so studies without it keep their parameter names; ``num_kv_heads`` rules out H_p that do not
     # divide a rank's heads (such a draw is pruned)
-    tp: tuple[int, ...] = (1,)
-    placement: tuple[str, ...] = ("balanced",)
+    tp: tuple[int, ...] = (_ENGINE.tp,)
+    placement: tuple[str, ...] = (_ENGINE.placement,)
     num_kv_heads: int = 0
 
     @classmethod
-    def for_model(cls, model: ModelConfig, tp: tuple[int, ...] = (1,), placement: tuple[str, ...] = ("balanced",),
-                  **kw) -> "SearchSpace":
+    def for_model(cls, model: ModelConfig, tp: tuple[int, ...] = (_ENGINE.tp,),
+                  placement: tuple[str, ...] = (_ENGINE.placement,), **kw) -> "SearchSpace":
         """H_p choices: the divisors of a rank's KV heads at the smallest TP degree searched."""
         from tangram.placement import check_tp
 
@@ -47,9 +48,9 @@ class SearchSpace:
         for t in tp:
             check_tp(model.num_kv_heads, t)
         fixed = dict(kw.pop("fixed", {}))
-        if len(tp) == 1 and tp[0] != 1:
+        if len(tp) == 1 and tp[0] != _ENGINE.tp:
             fixed["tp"] = tp[0]
-        if len(placement) == 1 and placement[0] != "balanced":
+        if len(placement) == 1 and placement[0] != _ENGINE.placement:
             fixed["placement"] = placement[0]
         return cls(heads_per_group=tuple(divisors(model.num_kv_heads // tp[0])), tp=tp, placement=placement,
                    num_kv_heads=model.num_kv_heads, fixed=fixed, **kw)
@@ -66,7 +67,7 @@ class SearchSpace:
         p["alpha"] = trial.suggest_float("alpha", self.alpha_lo, self.alpha_hi, step=self.alpha_step)
         for name in self.searched:
             p[name] = trial.suggest_categorical(name, list(getattr(self, name)))
-        tp = p.get("tp", self.fixed.get("tp", 1))
+        tp = p.get("tp", self.fixed.get("tp", _ENGINE.tp))
         if self.num_kv_heads and (self.num_kv_heads // tp) % p["heads_per_group"]:
             import optuna
 

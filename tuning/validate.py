@@ -24,14 +24,13 @@ and configs) into one report, each config's prediction against the mean of every
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.cli import cli_main, from_cli, parse, spec_overrides, spec_parser
+from tangram.errors import ConfigError
 from tangram.sim.engine_overhead import TERM_KEYS
 
 from .pooling import kendall_tau, pool_report, rel_err
@@ -49,25 +48,15 @@ TERMS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message} (see tangram-validate --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser():
-    p = _Parser(prog="tangram-validate", description=__doc__.split("\n\n")[0])
-    p.add_argument("configs", nargs="*", metavar="CONFIG", help="config JSON files (the tangram-sim --config format)")
-    p.add_argument("--trace", help="multi-turn JSONL trace (required unless --pool)")
-    p.add_argument("--weights", default="random", help="random | PATH.gguf | HF dir | auto (default random)")
-    p.add_argument("--kv-pool-gib", type=float, help="cap the KV pool of every config (GiB)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--dynamic-keep", default="auto", help="as tangram-bench")
+    p = spec_parser("tangram-validate", __doc__, ("trace", "gpu", "engine", "run"), trace="flag", config=False,
+                    skip=("temperature", "top_p"), defaults={"weights": "random"})
+    p.add_argument("configs", nargs="*", metavar="CONFIG",
+                   help="config JSON files (the tangram-sim --config format); the spec options given here override "
+                        "every config's (--trace is required unless --pool, --gpu prices every config on that GPU)")
     p.add_argument("--no-time-ops", action="store_true", help="skip per-operator CUDA-event timing")
     p.add_argument("--repeats", type=int, default=1,
                    help="engine runs per config, round-robin over the configs; the mean is compared (default 1)")
-    p.add_argument("--gpu", help="GPU preset to price every config on (default: each config's own)")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="rescale the cost tables to this machine: run tangram-probe here first (no value) or read "
                         "a probe JSON; the probe and the scales go into the outputs")
@@ -89,16 +78,13 @@ def _parser():
     return p
 
 
-def _bench_args(cfg_path: str, a) -> argparse.Namespace:
-    from tangram.engine.bench import _parser as bench_parser
+def _trace(a) -> str | None:
+    """The --trace given (every config replays it)."""
+    return spec_overrides(a).get("trace")
 
-    argv = [a.trace, "--config", cfg_path, "--weights", a.weights, "--device", a.device, "--dtype", a.dtype,
-            "--dynamic-keep", a.dynamic_keep]
-    if a.kv_pool_gib is not None:
-        argv += ["--kv-pool-gib", str(a.kv_pool_gib)]
-    if getattr(a, "gpu", None):
-        argv += ["--gpu", a.gpu]
-    return bench_parser().parse_args(argv)
+
+def _kv_pool_gib(spec) -> float | None:
+    return None if spec.engine.kv_pool_bytes is None else spec.engine.kv_pool_bytes / 2**30
 
 
 def term_table(pred_ops: dict, meas_ops: dict) -> list[dict]:
@@ -114,7 +100,7 @@ def term_table(pred_ops: dict, meas_ops: dict) -> list[dict]:
 
 def pool(a) -> dict:
     """``--pool DIR...``: one report over the runs of earlier calls."""
-    if a.configs or a.trace:
+    if a.configs or _trace(a):
         raise ConfigError("--pool reads earlier calls' folders; give no CONFIG files or --trace with it")
     if not (a.compile_s >= 0):
         raise ConfigError(f"--compile-s must be >= 0, got {a.compile_s}")
@@ -132,7 +118,7 @@ def pool(a) -> dict:
 def run(a) -> dict:
     import pandas as pd
 
-    from tangram.engine.bench import device_dtype, resolve, run_mode_of
+    from tangram.engine.bench import device_dtype
     from tangram.engine.weights import load_model
     from tangram.sim.run import simulate
     from tangram.sim.tables import resolve as resolve_tables
@@ -144,7 +130,7 @@ def run(a) -> dict:
             raise ConfigError(f"{flag} applies to --pool only")
     if not a.configs:
         raise ConfigError("give CONFIG files to validate (or --pool DIR... to pool earlier calls)")
-    if not a.trace:
+    if not _trace(a):
         raise ConfigError("--trace is required: the trace both the simulator and the engine replay")
     if a.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {a.repeats}")
@@ -154,20 +140,21 @@ def run(a) -> dict:
         raise ConfigError("--predict-only takes a probe FILE, not a probe run (it uses no device)")
     out = Path(a.out)
     resolved = []
-    for path in a.configs:
-        r = resolve(_bench_args(path, a))
-        if resolved and r["spec"].model.name != resolved[0][1]["spec"].model.name:
-            raise ConfigError(f"{path}: model {r['spec'].model.name} differs from the first config's "
-                              f"{resolved[0][1]['spec'].model.name}; validate one model per run")
-        resolved.append((path, r))
+    for path in a.configs:  # each config under the command line's options
+        spec = from_cli(a, config=path)
+        if resolved and spec.model.name != resolved[0][1].model.name:
+            raise ConfigError(f"{path}: model {spec.model.name} differs from the first config's "
+                              f"{resolved[0][1].model.name}; validate one model per run")
+        resolved.append((path, spec))
+    first = resolved[0][1]
     device = dtype = None
     if not predict_only:
-        device, dtype = device_dtype(a.device, a.dtype)
+        device, dtype = device_dtype(first.device, first.dtype)
     probe = None
     if probe_arg == "run":
         from tangram.sim.probe import run_probe, save_probe
 
-        probe = run_probe([resolved[0][1]["spec"].model], device=device.type,
+        probe = run_probe([first.model], device=device.type,
                           command="tangram-validate --probe (" + " ".join(getattr(a, "_argv", [])) + ")")
         probe["_path"] = str(save_probe(probe, out / "probe.json"))
         print(f"probe of {probe['device']['name']}: {probe['elapsed_s']:.1f} s, written to {probe['_path']}",
@@ -179,12 +166,11 @@ def run(a) -> dict:
     model = info = None
     dyn = None
     jobs = []
-    for path, r in resolved:
-        spec, trace = r["spec"], r["trace"]
-        mode = run_mode_of(r)
+    for path, spec in resolved:
+        trace, mode = spec.load_trace(), spec.run_mode
         if model is None and not predict_only:
-            model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=spec.seed)
-            dyn = a.dynamic_keep if a.dynamic_keep != "auto" else \
+            model, info = load_model(spec.model, spec.weights, dtype=dtype, device=device, seed=spec.seed)
+            dyn = spec.dynamic_keep if spec.dynamic_keep != "auto" else \
                 ("profile" if info.get("source") == "random" else "topk")
         job = {"name": Path(path).stem, "spec": spec, "trace": trace, "mode": mode, "meas": []}
         if probe is not None:  # the shipped tables' prediction, then the one rescaled to this machine
@@ -238,7 +224,7 @@ def run(a) -> dict:
     df.to_csv(out / "validation.csv", index=False)
     tdf = pd.DataFrame([dict(config=c, **t) for c, ts in terms.items() for t in ts])
     tdf.to_csv(out / "terms.csv", index=False)
-    summary = {"kendall_tau_throughput": tau, "rows": rows, "terms": terms, "trace": a.trace,
+    summary = {"kendall_tau_throughput": tau, "rows": rows, "terms": terms, "trace": _trace(a),
                "device": str(device), "weights": info.get("source") if info else None, "dynamic_keep": dyn,
                "ops_timed": not a.no_time_ops, **tables_info,
                # every run's own metrics (the engine's and the simulator's), for diagnosis after the GPU is gone
@@ -282,8 +268,8 @@ def write_predictions(out: Path, jobs: list, a, tables_info: dict) -> dict:
     df = pd.DataFrame(rows)
     df.to_csv(out / "predicted.csv", index=False)
     summary = {"command": "tangram-validate " + " ".join(getattr(a, "_argv", [])),
-               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "trace": a.trace,
-               "kv_pool_gib": a.kv_pool_gib, **tables_info, "rows": rows,
+               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "trace": _trace(a),
+               "kv_pool_gib": _kv_pool_gib(jobs[0]["spec"]), **tables_info, "rows": rows,
                "cost_model_source": jobs[0]["pred"].get("cost_model_source"),
                "runs": {j["name"]: _scalars(j["pred"]) for j in jobs}}
     (out / "predicted.json").write_text(json.dumps(summary, indent=1, default=float, sort_keys=True) + "\n")
@@ -311,7 +297,7 @@ def _fmt(x):
 def write_report(out: Path, df, tdf, tau, a, summary) -> None:
     lines = ["# tangram-validate: simulator vs engine", "",
              "Command: `tangram-validate " + " ".join(getattr(a, "_argv", [])) + "`", "",
-             f"- trace: {a.trace}; device: {summary['device']}; weights: {summary['weights']}; "
+             f"- trace: {_trace(a)}; device: {summary['device']}; weights: {summary['weights']}; "
              f"dynamic keep: {summary['dynamic_keep']}",
              "- relative error = (predicted - measured) / measured", ""]
     prov = summary.get("tables_provenance") or []
@@ -361,9 +347,9 @@ def write_report(out: Path, df, tdf, tau, a, summary) -> None:
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    run(parse_cli(_parser(), argv))
+    run(parse(_parser(), argv))
     return 0
 
 

@@ -17,7 +17,6 @@ layer-call; ``total_ms = median_ms + plan_ms``.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
@@ -32,7 +31,8 @@ import numpy as np
 import torch
 
 from tangram.config import get_model
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import Parser, cli_main
 from tangram.kernels import decode as dec
 from tangram.planner import DecodeCosts, tables_dir
 
@@ -194,9 +194,9 @@ def aot_vs_static(path: Path, col: str = "median_ms") -> dict | None:
             "min_by_hp": {int(h): float(g["ratio"].min()) for h, g in per_hp.groupby("heads_per_group")}}
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tangram.kernels.bench", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m tangram.kernels.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-8b,smollm2-135m", help="comma-separated model presets")
     ap.add_argument("--quick", action="store_true", help="smoke run: few shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="output folder for tables")

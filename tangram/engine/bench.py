@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 
-from tangram.errors import ConfigError, cli_errors, parse_cli
+from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.errors import ConfigError
 
 DEFAULT_OUT = "tangram-bench-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -28,77 +29,17 @@ TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", 
               "leak_ok"]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message} (see tangram-bench --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tangram-bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("trace", nargs="?", help="multi-turn JSONL trace (default: the bundled default trace)")
-    p.add_argument("--mode", action="append", help="serving mode(s), repeatable or comma list (default all)")
-    p.add_argument("--model", help="model preset (default llama-3.1-8b)")
-    p.add_argument("--weights", default=None, help="random | PATH.gguf | HF safetensors dir | auto (default auto)")
-    p.add_argument("--profile", help="budget profile (.npz/.json); default: synthetic (labelled)")
-    p.add_argument("--gpu", help="GPU preset for the KV pool derivation (default h100-80gb)")
-    p.add_argument("--config", help="JSON of EngineConfig fields plus model/gpu/... (the tangram-sim --config format)")
-    p.add_argument("--rho", type=float)
-    p.add_argument("--hp", type=int, help="heads per group H_p")
-    p.add_argument("--alpha", type=float)
-    p.add_argument("--page-size", type=int)
-    p.add_argument("--chunk", type=int)
-    p.add_argument("--max-batched-tokens", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--kv-pool-gib", type=float, help="cap the KV pool (GiB); default: derived from GPU memory")
-    p.add_argument("--rate-scale", type=float)
-    p.add_argument("--seed", type=int, help="seed of weights, prompt ids, sampling and the synthetic profile")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32")
-    p.add_argument("--dynamic-keep", default="auto",
-                   help="dynamic mode's per-head keep: topk (global top-k of the scores), profile (drawn from the "
-                        "budget profile; for random weights, whose scores have no head structure) or auto "
-                        "(profile with random weights, else topk)")
+    p = spec_parser("tangram-bench", __doc__, ("deployment", "trace", "engine", "run", "output"),
+                    defaults={"out": DEFAULT_OUT})
     p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower; every step "
                    "eager)")
-    p.add_argument("--cuda-graph-max-bs", type=int,
-                   help="largest decode batch replayed from a captured CUDA graph (default 64; 0 = every step eager)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe, about 20 s; or a probe JSON) and the scales it "
                         "gives the shipped cost tables, in metrics.json and probe.json")
-    p.add_argument("--out", help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-plots", action="store_true")
     return p
-
-
-def resolve(args) -> dict:
-    """The tangram-sim option resolution (same --config format), plus the engine-only options."""
-    from tangram.spec import resolve as spec_resolve
-
-    if args.kv_pool_gib is not None:
-        if not args.kv_pool_gib > 0:
-            raise ConfigError(f"--kv-pool-gib must be > 0, got {args.kv_pool_gib}")
-    ns = argparse.Namespace(trace=args.trace, model=args.model, gpu=args.gpu, mode=args.mode, rho=args.rho,
-                            hp=args.hp, alpha=args.alpha, profile=args.profile, page_size=args.page_size,
-                            chunk=args.chunk, max_batched_tokens=args.max_batched_tokens, replicas=None,
-                            router=None, seed=args.seed, out=args.out, rate_scale=args.rate_scale,
-                            config=args.config, tables=None, slo=None, capacity=False, target_rate=None)
-    r = spec_resolve(ns, DEFAULT_OUT)
-    spec = r["spec"]
-    kw = {}
-    if args.kv_pool_gib is not None:
-        kw["kv_pool_bytes"] = int(args.kv_pool_gib * 2**30)
-    if args.max_num_seqs is not None:
-        kw["max_num_seqs"] = args.max_num_seqs
-    if getattr(args, "cuda_graph_max_bs", None) is not None:
-        kw["cuda_graph_max_bs"] = args.cuda_graph_max_bs
-    if kw:
-        spec.engine = spec.engine.with_(**kw)
-    r["weights"] = args.weights or r["config"].get("weights", "auto")
-    return r
 
 
 def device_dtype(device: str, dtype: str):
@@ -133,12 +74,6 @@ def pool_bytes_for(model_cfg, gpu, engine, device) -> int:
     if b <= 0:
         raise ConfigError("no memory left for the KV pool")
     return b
-
-
-def run_mode_of(r: dict) -> str:
-    """The one mode a resolved config runs in (a config file's ``mode`` lands in ``r["modes"]``, not in
-    ``spec.engine``)."""
-    return r["modes"][0] if len(r["modes"]) == 1 else r["spec"].engine.mode
 
 
 def _mini_trace(engine):
@@ -366,25 +301,23 @@ def run(args) -> dict:
     from tangram.engine.weights import load_model
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
-    r = resolve(args)
-    spec, trace, modes = r["spec"], r["trace"], r["modes"]
-    device, dtype = device_dtype(args.device, args.dtype)
+    spec = from_cli(args)
+    trace, modes, out = spec.load_trace(), spec.mode_list, Path(spec.out)
+    device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
-    model, info = load_model(spec.model, r["weights"], dtype=dtype, device=device, seed=seed)
+    model, info = load_model(spec.model, spec.weights, dtype=dtype, device=device, seed=seed)
     if model.cfg.num_layers != spec.model.num_layers or model.cfg.num_kv_heads != spec.model.num_kv_heads:
-        raise ConfigError(f"weights {r['weights']} do not have {spec.model.name}'s shape")
+        raise ConfigError(f"weights {spec.weights} do not have {spec.model.name}'s shape")
     tokenizer = None
     if info.get("gguf_path") and any(t.text for t in trace.turns):
         from tangram.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(info["gguf_path"])
-    sampling = SamplingParams(args.temperature, args.top_p, seed)
-    dyn = args.dynamic_keep
+    sampling = SamplingParams(spec.temperature, spec.top_p, seed)
+    dyn = spec.dynamic_keep
     if dyn == "auto":
         dyn = "profile" if info.get("source") == "random" else "topk"
-    if dyn not in ("topk", "profile"):
-        raise ConfigError(f"--dynamic-keep must be auto, topk or profile, got {args.dynamic_keep!r}")
-    probe_rec = record_probe(args.probe, spec, device, r["out"]) if getattr(args, "probe", None) else None
+    probe_rec = record_probe(args.probe, spec, device, out) if args.probe else None
     total = len(trace.turns) * len(modes)
     bar = tqdm(total=total, desc="tangram-bench", unit="req", file=sys.stderr, leave=False, disable=None)
     metrics, frames, leaks = {}, [], {}
@@ -398,15 +331,14 @@ def run(args) -> dict:
         leaks[mode] = leak
     bar.close()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    common = {"trace": str(r["trace_path"]), "model": spec.model.name, "weights": info.get("source"),
+    common = {"trace": str(spec.trace_path), "model": spec.model.name, "weights": info.get("source"),
               "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
-              "seed": seed, "profile": r["profile_label"], "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
+              "seed": seed, "profile": spec.profile_label, "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
               "dynamic_keep": dyn}
     if probe_rec is not None:
         common["probe"] = probe_rec
     for m in metrics.values():
         m["run"] = common
-    out = r["out"]
     out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", metrics)
     write_requests_csv(out / "requests.csv", frames)
@@ -489,9 +421,9 @@ def _print_table(metrics: dict) -> None:
         print(df.to_string())
 
 
-@cli_errors
+@cli_main
 def main(argv=None) -> int:
-    metrics = run(parse_cli(_parser(), argv))
+    metrics = run(parse(_parser(), argv))
     return 0 if all(m["leak_ok"] for m in metrics.values()) else 1
 
 

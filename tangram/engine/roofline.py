@@ -28,7 +28,6 @@ spends outside its kernels (the case for or against piecewise CUDA graphs). The 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -38,6 +37,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from tangram.cli import Parser
 
 CATEGORIES = (  # (name, kernel-name pattern), first match wins
     ("decode_attention", r"_decode_split_kernel"),
@@ -432,7 +433,7 @@ def markdown(rows: list[dict], mixed: dict, copy_bw: float, meta: dict) -> str:
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m tangram.engine.roofline", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tangram.engine.roofline", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output folder (roofline.csv, roofline.json, roofline.md)")
     p.add_argument("--config", action="append", metavar="NAME[=FILE]",
                    help="a configuration: NAME=FILE (tangram-sim --config JSON), a bare mode name or 'paper' "

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import Parser, cli_main
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import SCOPES, Mode
@@ -49,7 +50,7 @@ def _floats(text: str, what: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tangram-accuracy", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="tangram-accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in DEFAULT_LENGTHS.items()),
@@ -741,7 +742,7 @@ def write_report(res: dict, meta: dict, lists: dict, out: Path) -> None:
     (out / "report.md").write_text(markdown(res, agg, comps, meta, lists, curve_lines))
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lists = _resolve_lists(args)

@@ -20,7 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from tangram.errors import ConfigError, InputError, cli_errors
+from tangram.errors import ConfigError, InputError
+from tangram.cli import Parser, cli_main
 
 
 def _methods(text: str) -> list[str]:
@@ -72,7 +73,7 @@ def _rhos(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     from tangram.profiles.corpus import CORPORA, SPLITS
-    p = argparse.ArgumentParser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="tangram-profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="model preset (tangram.config.MODELS)")
     p.add_argument("--weights", default="auto", help="auto | random | PATH.gguf | HF safetensors directory")
     p.add_argument("--tokenizer", default=None, help="GGUF file whose vocabulary to use (default: the weights' GGUF, "
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rhos = _rhos(args.rho)

@@ -38,7 +38,8 @@ from tangram.profiles.corpus import TASKS, Sample, answer_correct, build_corpus,
 from tangram.profiles.scoring import (ChunkScorer, budget_tokens, global_topk_mask, make_scorer,
                                          per_head_topk_mask)
 from tangram.engine.model import AttnEvent, Session, TorchAttention
-from tangram.errors import ConfigError, cli_errors
+from tangram.errors import ConfigError
+from tangram.cli import Parser, cli_main
 
 OVERFLOW_MIN_CHUNK = 64
 
@@ -278,7 +279,7 @@ def plot_agreement(rows: list[dict], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tangram.profiles.fidelity", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m tangram.profiles.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--method", default="ada-snapkv")
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_errors
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
