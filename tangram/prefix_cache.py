@@ -123,6 +123,7 @@ class PrefixCache:
         self.evictions = 0
         self.tails_dropped = 0
         self._no_tail_at = -1  # pool.lets_go when a scan last found no droppable copy source
+        self._tails = None  # (tail ids of every tailed unit, oldest first, concatenated; their unit's index; units)
 
     # ------------------------------------------------------------------ chains
     def chain(self, prefix) -> ChainPlan:
@@ -220,6 +221,7 @@ class PrefixCache:
         self.units[key] = u
         if tail.size:
             self.tailed[key] = u
+            self._tails = None
         self.registered += 1
         return u
 
@@ -232,6 +234,7 @@ class PrefixCache:
             del self.units[u.key]
         if self.tailed.get(u.key) is u:
             del self.tailed[u.key]
+            self._tails = None
         u.evicted = True
         self.evictions += 1
         return self.pool.unpin(u.ids) + self.pool.unpin(u.tail_ids)
@@ -240,6 +243,7 @@ class PrefixCache:
         """Forget a unit's copy sources: hits may still pass through it, not end at it."""
         if self.tailed.get(u.key) is u:
             del self.tailed[u.key]
+            self._tails = None
         freed = self.pool.unpin(u.tail_ids)
         u.tail_ids, u.tail_cnt, u.endable = u.tail_ids[:0], np.zeros_like(u.tail_cnt), False
         self.tails_dropped += 1
@@ -254,12 +258,16 @@ class PrefixCache:
             return True
         if self._no_tail_at == self.pool.lets_go:  # nothing let go of a page since the last empty scan (a blocked
             return False  # head retries every step; the scan is O(cached units))
-        ref, pins = self.pool.ref, self.pool.pins
-        for u in self.tailed.values():
-            t = u.tail_ids
-            if ((ref[t] == 0) & (pins[t] == 1)).any():
-                self._drop_tail(u)
-                return True
+        if self._tails is None:  # one vectorised test over every unit's copy sources, oldest unit first
+            units = list(self.tailed.values())
+            ids = np.concatenate([u.tail_ids for u in units]) if units else np.zeros(0, dtype=np.int64)
+            own = np.repeat(np.arange(len(units)), [u.tail_ids.size for u in units])
+            self._tails = (ids, own, units)
+        ids, own, units = self._tails
+        hit = np.flatnonzero((self.pool.ref[ids] == 0) & (self.pool.pins[ids] == 1))
+        if hit.size:
+            self._drop_tail(units[int(own[hit[0]])])
+            return True
         self._no_tail_at = self.pool.lets_go
         return False
 
