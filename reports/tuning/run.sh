@@ -23,5 +23,5 @@ if [[ $what == verify || $what == all ]]; then
   done
 fi
 if [[ $what == efficiency || $what == all ]]; then
-  python benchmarks/search_efficiency.py --jobs 2 --seeds 5 | tail -1 > reports/tuning/search_efficiency.json
+  python benchmarks/search_efficiency.py --jobs 2 --seeds 21 | tail -1 > reports/tuning/search_efficiency.json
 fi
