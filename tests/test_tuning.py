@@ -195,3 +195,15 @@ def test_accuracy_floor_picks_a_configuration_that_meets_it(tmp_path, tiny_trace
                 "--accuracy-floor", "0.9"])
     assert r2.returncode == 2 and "accuracy not measured for llama-3.1-8b" in r2.stderr
     assert len(r2.stderr.strip().splitlines()) == 1
+
+
+def test_paper_default_stands_in_for_models_without_hp4():
+    """SmolLM2 has 3 KV heads (H_p in {1, 3}): the enqueued paper default must be a point of its space (H_p 3),
+    or Optuna rejects the enqueued trial; Llama's space keeps the paper's H_p 4."""
+    from tangram.config import get_model
+    from tangram.tuning.space import SearchSpace, paper_default_params
+
+    small = SearchSpace.for_model(get_model("smollm2-135m"))
+    assert small.heads_per_group == (1, 3) and paper_default_params(small)["heads_per_group"] == 3
+    assert paper_default_params(SearchSpace.for_model(get_model("llama-3.1-8b")))["heads_per_group"] == 4
+    assert paper_default_params()["heads_per_group"] == 4

@@ -130,7 +130,7 @@ def run(args, argv: list[str]) -> int:
     spawned = args.no_report and args.worker_index is not None
     widx = args.worker_index or 0
     # sampler seed: distinct per worker, and per resume (so a restarted worker does not replay the same draws)
-    probe = open_study(storage, args.study, setup, None, create=True)
+    probe = open_study(storage, args.study, setup, None, create=True, space=space)
     sseed = spec.seed * 1000 + widx + 97 * len(probe.trials)
     study = open_study(storage, args.study, setup, make_sampler(args.sampler, setup.objective, sseed,
                                                                 setup.overflow_bound), create=False)

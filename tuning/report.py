@@ -10,11 +10,11 @@ from .space import SearchSpace, paper_default_params
 from .study import Setup, best_config_dict, choose_best
 
 
-def _paper_default(study, ev: Evaluator) -> tuple[dict, int | None]:
+def _paper_default(study, ev: Evaluator, space: SearchSpace) -> tuple[dict, int | None]:
     """The paper default's metrics: its enqueued trial when present, else a fresh evaluation."""
     from optuna.trial import TrialState
 
-    pd_params = paper_default_params()
+    pd_params = paper_default_params(space)
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.params == pd_params:
             return dict(t.user_attrs), t.number
@@ -57,14 +57,15 @@ def write_outputs(study, ev: Evaluator, space: SearchSpace, setup: Setup, out: P
     from .study import redact
 
     best = choose_best(study, setup)
-    base, base_trial = _paper_default(study, ev)
+    base, base_trial = _paper_default(study, ev, space)
     cfg = best_config_dict(best.params, space, setup, ev.tables)
     (out / "best_config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     (out / "paper_default_config.json").write_text(
-        json.dumps(best_config_dict(paper_default_params(), space, setup, ev.tables), indent=1) + "\n")
+        json.dumps(best_config_dict(paper_default_params(space), space, setup, ev.tables), indent=1) + "\n")
     summary = {"study": study.study_name, "storage": redact(url), "setup": setup.as_attrs(),
                "best_trial": best.number, "best_params": best.params, "best_metrics": dict(best.user_attrs),
                "paper_default_trial": base_trial, "paper_default_metrics": base,
+               "paper_default_params": paper_default_params(space),
                "load_gain": (best.user_attrs["load_rps"] / base["load_rps"] - 1.0) if base["load_rps"] else None,
                "n_complete": len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))),
                "n_fail": len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,))),
@@ -101,6 +102,9 @@ def _accuracy_sentence(bm: dict, setup: Setup, label: str | None) -> str:
             f"({bm['accuracy_rel']:.1%} of the full cache's {bm['accuracy_full']:.3f}); {label}." + floor)
 
 
+_VS = "## Tuned vs the paper default (H_p = {hp}, alpha = 2, other fields default)"
+
+
 def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, argv: list[str], pics: list[str],
                acc_label: str | None = None):
     from .study import redact
@@ -116,7 +120,7 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
         f"Setup: model {setup.model}, GPU {setup.gpu}, trace `{setup.trace}`, SLO `{setup.slo}`, objective "
         f"{setup.objective} (overflow bound {setup.overflow_bound:g}), seed {setup.seed}, "
         f"{'single simulation per trial (--objective-fast)' if setup.fast else 'capacity search per trial'}.", "",
-        "## Tuned vs the paper default (H_p = 4, alpha = 2, other fields default)", "",
+        _VS.format(hp=s.get("paper_default_params", {}).get("heads_per_group", 4)), "",
         "| config | load (req/s) | overflow (weighted) | overflow (unweighted) | lost share | KV kept | "
         "accuracy (measured) | of full cache |", "|---|---|---|---|---|---|---|---|",
         f"| tuned (trial {best.number}) | {bm['load_rps']:.4g} | {bm['overflow']:.4g} | "
@@ -134,7 +138,7 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
     ]
     if s["unsaturated_trials"]:
         n = len(s["unsaturated_trials"])
-        at = lines.index("## Tuned vs the paper default (H_p = 4, alpha = 2, other fields default)")
+        at = lines.index(_VS.format(hp=s.get("paper_default_params", {}).get("heads_per_group", 4)))
         lines[at:at] = [
             f"**Warning: the trace is too small to saturate {n} of {s['n_complete']} trials' deployments** (trials "
             f"{', '.join(map(str, s['unsaturated_trials'][:20]))}{' ...' if n > 20 else ''}): all its requests "

@@ -108,9 +108,14 @@ class SearchSpace:
         return d
 
 
-def paper_default_params() -> dict:
-    """The paper's default configuration as a full trial parameter dict."""
+def paper_default_params(space: "SearchSpace | None" = None) -> dict:
+    """The paper's default configuration as a full trial parameter dict. In a space whose H_p choices lack the
+    paper's 4 (a model with 3 KV heads, say), the largest choice below it (else the smallest) stands in."""
     e = EngineConfig()
-    return {"heads_per_group": PAPER_DEFAULT["heads_per_group"], "alpha": PAPER_DEFAULT["alpha"],
+    hp = PAPER_DEFAULT["heads_per_group"]
+    if space is not None and hp not in space.heads_per_group:
+        below = [h for h in space.heads_per_group if h <= hp]
+        hp = max(below) if below else min(space.heads_per_group)
+    return {"heads_per_group": hp, "alpha": PAPER_DEFAULT["alpha"],
             "clustering": e.clustering, "n_cta_scale": e.n_cta_scale, "split_rounding": e.split_rounding,
             "page_size": e.page_size, "chunk_size": e.chunk_size, "max_batched_tokens": e.max_batched_tokens}

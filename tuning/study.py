@@ -108,7 +108,7 @@ class Setup:
         return dict(self.__dict__)
 
 
-def open_study(storage, name: str, setup: Setup, sampler, *, create: bool):
+def open_study(storage, name: str, setup: Setup, sampler, *, create: bool, space=None):
     """Create (or load) the study and check it was made with the same setup; enqueue the paper default first."""
     import optuna
 
@@ -125,7 +125,7 @@ def open_study(storage, name: str, setup: Setup, sampler, *, create: bool):
     if stored is None and create:
         study.set_user_attr("setup", setup.as_attrs())
         if not study.trials:
-            study.enqueue_trial(paper_default_params(), user_attrs={"role": "paper_default"})
+            study.enqueue_trial(paper_default_params(space), user_attrs={"role": "paper_default"})
     elif stored is not None and any(stored.get(k) != v for k, v in setup.as_attrs().items()):
         # a key a study created before it existed is stored as missing, which equals its default None
         diff = [f"{k}: stored {stored.get(k)!r} vs now {v!r}" for k, v in setup.as_attrs().items() if stored.get(k) != v]
