@@ -581,7 +581,9 @@ def serve_jobs(rank: int, tp: int, cfg: ModelConfig, weights_seed: int, jobs: li
         for j in jobs:
             res, drv, leak = serve_tp(j["trace"], j["spec"], j["mode"], sd, dtype=torch.float32, device=device,
                                       options=j["options"], seed=j.get("seed", 0), shard_perm=j.get("shard_perm"))
-            out.append({"streams": drv.streams, "leak": leak, "perm": drv.layout.perm,
+            st = drv.sched.stats
+            out.append({"streams": drv.streams, "leak": leak, "perm": drv.layout.perm, "page_copies": st.page_copies,
+                        "prefix_hits": st.prefix_hits,
                         "status": {r.request_id: r.status for r in res.records},
                         "logits": [(rid, p, lg.numpy()) for rid, p, lg in drv.logit_log]})
         stop_workers()
