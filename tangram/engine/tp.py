@@ -590,6 +590,38 @@ def serve_jobs(rank: int, tp: int, cfg: ModelConfig, weights_seed: int, jobs: li
         return out
 
 
+def run_bench(args, spec) -> dict:
+    """``tangram-bench --tp N``: N processes (NCCL on CUDA, one GPU each; gloo on the CPU); rank 0 runs the bench
+    (:func:`tangram.engine.bench.run`), the others serve; returns rank 0's metrics."""
+    tp = spec.engine.tp
+    check_tp(spec.model.num_kv_heads, tp, spec.engine.heads_per_group if spec.engine.ragged else None)
+    bad = [m for m in spec.mode_list if spec.engine.with_(mode=m).retention == "global"]
+    if bad:
+        raise ConfigError(f"--tp {tp}: mode {bad[0]} is not supported under tensor parallelism (its global top-k "
+                          f"compares heads that different ranks hold); run it with --tp 1")
+    cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+    if cuda and torch.cuda.device_count() < tp:
+        raise ConfigError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
+    return launch(tp, _bench_rank, args, backend="nccl" if cuda else "gloo")
+
+
+def _bench_rank(rank: int, tp: int, args) -> dict | None:
+    from tangram.cli import from_cli
+    from tangram.engine.bench import device_dtype, run
+    from tangram.engine.weights import load_model
+
+    if rank == 0:
+        try:
+            return run(args, tp_rank0=True)
+        finally:
+            stop_workers()
+    spec = from_cli(args)
+    device, dtype = device_dtype(spec.device, spec.dtype)
+    model, _ = load_model(spec.model, spec.weights, dtype=dtype, device="cpu", seed=spec.seed)
+    serve(rank, tp, model.state_dict(), dtype=dtype, device=device)
+    return None
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -621,4 +653,4 @@ def _entry(rank: int, tp: int, init: str, out: str, backend: str, target, args) 
 
 
 __all__ = ["shard_config", "shard_state_dict", "build_shard", "PageMap", "tp_pool_pages", "RankSetup", "RankStep",
-           "TPRank", "TPDriver", "serve", "serve_tp", "serve_jobs", "stop_workers", "run_mode_tp", "launch"]
+           "TPRank", "TPDriver", "serve", "serve_tp", "serve_jobs", "stop_workers", "run_mode_tp", "run_bench", "launch"]
