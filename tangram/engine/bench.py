@@ -293,7 +293,9 @@ def leak_check(sched) -> dict:
     return out
 
 
-def run(args) -> dict:
+def run(args, *, tp_rank0: bool = False) -> dict:
+    """The bench; with ``--tp N`` (N > 1) it launches N processes (tangram.engine.tp) and this runs on rank 0
+    (``tp_rank0``), serving each mode through :func:`tangram.engine.tp.run_mode_tp`."""
     import torch
     from tqdm import tqdm
 
@@ -302,10 +304,17 @@ def run(args) -> dict:
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
     spec = from_cli(args)
+    if spec.engine.tp > 1 and not tp_rank0:
+        from tangram.engine.tp import run_bench
+
+        return run_bench(args, spec)
     trace, modes, out = spec.load_trace(), spec.mode_list, Path(spec.out)
     device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
-    model, info = load_model(spec.model, spec.weights, dtype=dtype, device=device, seed=seed)
+    mode_runner = run_mode
+    if tp_rank0:  # the full model on the CPU, sharded per mode onto this rank's device
+        from tangram.engine.tp import run_mode_tp as mode_runner
+    model, info = load_model(spec.model, spec.weights, dtype=dtype, device="cpu" if tp_rank0 else device, seed=seed)
     if model.cfg.num_layers != spec.model.num_layers or model.cfg.num_kv_heads != spec.model.num_kv_heads:
         raise ConfigError(f"weights {spec.weights} do not have {spec.model.name}'s shape")
     tokenizer = None
@@ -323,7 +332,7 @@ def run(args) -> dict:
     metrics, frames, leaks = {}, [], {}
     for mode in modes:
         bar.set_postfix_str(mode)
-        summ, res, leak = run_mode(trace, spec, mode, model, device=device, seed=seed, sampling=sampling,
+        summ, res, leak = mode_runner(trace, spec, mode, model, device=device, seed=seed, sampling=sampling,
                                    time_ops=args.time_ops, tokenizer=tokenizer, progress=bar.update,
                                    warmup=not args.no_warmup, dynamic_keep=dyn)
         metrics[mode] = summ
@@ -331,6 +340,8 @@ def run(args) -> dict:
         leaks[mode] = leak
     bar.close()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if tp_rank0:
+        dev_name = f"{spec.engine.tp} x {dev_name}"
     common = {"trace": str(spec.trace_path), "model": spec.model.name, "weights": info.get("source"),
               "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
               "seed": seed, "profile": spec.profile_label, "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
@@ -347,6 +358,9 @@ def run(args) -> dict:
     for mode, lk in leaks.items():
         print(f"leak check {mode}: {'ok' if lk['ok'] else 'LEAK'} ({lk['pages_in_use']} of {lk['pages_total']} "
               f"pages in use after the run)")
+        for r in lk.get("ranks", ()):
+            print(f"  rank {r['rank']}: {r['pages_in_use']} of {r['pages_total']} rank pages in use "
+                  f"(peak {r['pages_peak']})")
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
 
@@ -393,6 +407,22 @@ def write_report(out: Path, metrics: dict, common: dict, *, argv=None, plots: bo
         lk = v["leak_check"]
         lines.append(f"- {m}: {'ok' if lk['ok'] else 'LEAK'}: {lk['pages_in_use']} of {lk['pages_total']} pages in "
                      f"use after the run, {lk['running']} running")
+    tps = {m: v["tp"] for m, v in metrics.items() if v.get("tp")}
+    if tps:
+        lines += ["", "## Tensor parallelism (per rank)", "",
+                  "| mode | tp | placement | KV pages peak per rank | pages max/mean | step s per rank | "
+                  "operators s per rank (--time-ops; collectives and GEMMs excluded) | max/mean |", "|---" * 8 + "|"]
+        for m, t in tps.items():
+            comp = t.get("rank_compute_s")
+            cells = [m, t["tp"], t["placement"], " ".join(str(x) for x in t["rank_pages_peak"]),
+                     f"{t['pages_peak_max_over_mean']:.3f}", " ".join(f"{x:.3f}" for x in t["rank_step_s"]),
+                     " ".join(f"{x:.3f}" for x in comp) if comp else "-",
+                     f"{t['step_time_imbalance']:.3f}" if comp else "-"]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        for m, v in metrics.items():
+            for r in v["leak_check"].get("ranks", ()):
+                lines.append(f"- {m} rank {r['rank']}: {r['pages_in_use']} of {r['pages_total']} rank pages in use "
+                             f"after the run")
     rej = {m: v.get("rejected_reasons", {}) for m, v in metrics.items() if v.get("rejected_reasons")}
     if rej:
         lines += ["", "## Rejections", ""] + [f"- {m}: {r}" for m, r in rej.items()]

@@ -362,7 +362,7 @@ class Executor:
         else:
             st["max_len"] = [ctx] * L
         h = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
-        logits = self.model.lm_head(h).float()
+        logits = self._lm_head(h)
         bufs.logits[:bs].copy_(logits)
         if bufs.sampled is not None:
             bufs.sampled[:bs].copy_(logits.argmax(dim=-1))
@@ -425,6 +425,18 @@ class Executor:
         idx = self.cache.to_device(np.asarray(rows, dtype=np.int64))
         return dev.index_select(0, idx)[:, :, :w], w
 
+    # tensor parallelism overrides these three (tangram.engine.tp): vocabulary-parallel embedding and lm_head, the
+    # all-reduce after the row-parallel o and down projections
+    def _embed(self, tok_t: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(tok_t)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[rows, V]``."""
+        return self.model.lm_head(h).float()
+
     def _layers(self, tok_t: torch.Tensor, pos_t: torch.Tensor, st: dict) -> torch.Tensor:
         """The decoder stack over the step's tokens; returns the final-normed hidden states [N, hidden].
 
@@ -436,7 +448,7 @@ class Executor:
         kd = st["kd"]
         layers = m.model.layers
         eps = c.rms_eps
-        x = m.model.embed_tokens(tok_t)
+        x = self._embed(tok_t)
         cos, sin = m.rope(pos_t, x.dtype)
         h = rms_norm(x, layers[0].input_layernorm.weight, eps)
         N = x.shape[0]
@@ -454,9 +466,9 @@ class Executor:
                                k_norm=a.k_norm.weight if c.qk_norm else None, eps=eps, **kw)
             ops.stop("kv_write")
             o = self._attention(l, q, k, v, st)
-            x, h = add_rms_norm(x, F.linear(o.view(N, -1), a.o_proj.weight), layer.post_attention_layernorm.weight,
-                                eps)
-            y = F.linear(silu_mul(F.linear(h, mlp._gate_up)), mlp.down_proj.weight)
+            x, h = add_rms_norm(x, self._reduce(F.linear(o.view(N, -1), a.o_proj.weight)),
+                                layer.post_attention_layernorm.weight, eps)
+            y = self._reduce(F.linear(silu_mul(F.linear(h, mlp._gate_up)), mlp.down_proj.weight))
             nw = layers[l + 1].input_layernorm.weight if l + 1 < len(layers) else m.model.norm.weight
             x, h = add_rms_norm(x, y, nw, eps)
         return h
@@ -551,7 +563,7 @@ class Executor:
         else:
             h, st, host_plan_s = self._forward_eager(plan, ids, pos, bounds, last, ops)
             ops.start("lm_head_sampling")
-            logits = self.model.lm_head(h).float()
+            logits = self._lm_head(h)
             toks = self.sampler(logits)
             ops.stop("lm_head_sampling")
         ops.stop("forward")
