@@ -126,16 +126,23 @@ class TPCostModel(CostModel):
             self.sources[f"gemm_{op}"] = src
         self._rank_splits: dict[tuple[int, int, int], np.ndarray] = {}
         self.rank_layouts = [layout.rank_layout(r) for r in range(tp)]
-        # all-reduce: the tables folder's measurements for this tp, else the ring model on NVLink
-        self.allreduce = None
+        # all-reduce: measurements for this tp from the GPU family's own folder (a multi-GPU host's, even when
+        # its kernel tables are transferred from another family), else from the tables folder, else the ring model
+        self.allreduce, ar_own = None, False
+        from .tables import tables_dir_for
+
         d_ = self.tables.directory
-        if d_ is not None and (Path(d_) / ALLREDUCE_FILE).is_file():
-            t = AllReduceTable(Path(d_) / ALLREDUCE_FILE)
-            if t.has(tp):
-                self.allreduce = t
+        own = tables_dir_for(gpu.name) if kw.get("tables", "auto") == "auto" else None
+        for folder in dict.fromkeys(x for x in (own, Path(d_) if d_ is not None else None) if x is not None):
+            if (folder / ALLREDUCE_FILE).is_file():
+                t = AllReduceTable(folder / ALLREDUCE_FILE)
+                if t.has(tp):
+                    self.allreduce, ar_own = t, folder == own
+                    break
         p = self.params
         if self.allreduce is not None:
-            self.sources["allreduce"] = self.allreduce.label + (f" [{self.tables.label}]" if self.tables.label else "")
+            self.sources["allreduce"] = self.allreduce.label + (
+                f" [{self.tables.label}]" if self.tables.label and not ar_own else f" [{gpu.name}'s own folder]")
         else:
             self.sources["allreduce"] = (
                 f"ring model: {p.allreduce_latency_s * 1e6:g} us + 2(N-1)/N x bytes / ({p.allreduce_bw_eff:g} x "

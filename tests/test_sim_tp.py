@@ -190,3 +190,29 @@ def test_tuner_space_with_tp():
         seen.add((e.tp, e.placement))
         study.tell(t, 0.0)
     assert {(1, "balanced"), (2, "contiguous"), (2, "balanced"), "pruned"} <= seen
+
+
+def test_h200_prices_tp_with_the_shipped_allreduce_and_transferred_kernel_tables():
+    """sim/tables/h200 holds only the H200 x2 all-reduce measurement: the kernel tables stay the H100's transferred
+    by datasheet (the folder does not shadow them), and TP = 2 reads the measured all-reduce (values from the CSV)."""
+    import csv
+
+    from tangram.sim.tables import TABLES_ROOT
+
+    h200 = get_gpu("h200")
+    e = EngineConfig(mode="tangram", tp=2)
+    prof = default_profile(LLAMA, e.rho, e.alpha)
+    cm = TPCostModel(LLAMA, h200, e, KVLayout.build(LLAMA, e, prof.B), prof,
+                     params=CostParams(engine_overhead=False))
+    assert cm.tables.directory.name == "h100" and any(p.get("kind") == "transfer" for p in cm.tables.provenance)
+    assert "table:allreduce.csv" in cm.sources["allreduce"] and "H200" in cm.sources["allreduce"]
+    rows = [r for r in csv.DictReader(open(TABLES_ROOT / "h200" / "allreduce.csv")) if r["tp"] == "2"]
+    b = np.array([float(r["bytes"]) for r in rows])
+    us = np.array([float(r["median_us"]) for r in rows])
+    for i in range(len(rows)):  # a smaller message never costs more than a larger one: the suffix minimum
+        got = float(cm.allreduce.seconds(2, [b[i]])[0])
+        assert got == pytest.approx(us[b >= b[i]].min() * 1e-6, rel=1e-9)
+    e4 = EngineConfig(mode="tangram", tp=4, heads_per_group=2)
+    cm4 = TPCostModel(LLAMA, h200, e4, KVLayout.build(LLAMA, e4, prof.B), prof,
+                      params=CostParams(engine_overhead=False))
+    assert "ring model" in cm4.sources["allreduce"]  # no tp = 4 rows measured

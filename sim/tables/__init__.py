@@ -39,6 +39,13 @@ def tables_dir_for(gpu_name: str) -> Path:
     return TABLES_ROOT / gpu_name.lower().split("-")[0]
 
 
+def has_kernel_tables(d: Path) -> bool:
+    """Whether a family folder holds kernel tables. A folder with only machine-level measurements (e.g. the
+    all-reduce of a multi-GPU host, ``allreduce.csv``) does not: the family is then priced by a transfer, and the
+    folder's other files are read where they apply (``sim.tp``)."""
+    return d.is_dir() and any((d / f).is_file() for f in TABLE_FILES)
+
+
 def _read_csv(path: Path, required: tuple[str, ...]):
     import pandas as pd
 
@@ -287,8 +294,8 @@ def resolve(tables, gpu, probe: dict | str | Path | None = None) -> CostTables:
         t = CostTables(None)
     elif isinstance(tables, str) and tables == "auto":
         d = tables_dir_for(gpu.name)
-        if not d.is_dir():
-            src = next((f for f in TRANSFER_SOURCES if (TABLES_ROOT / f).is_dir() and f != gpu.family), None)
+        if not has_kernel_tables(d):
+            src = next((f for f in TRANSFER_SOURCES if has_kernel_tables(TABLES_ROOT / f) and f != gpu.family), None)
             d = TABLES_ROOT / src if src is not None else None
         t = CostTables.load(d)
     else:
