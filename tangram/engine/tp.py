@@ -639,6 +639,9 @@ def launch(tp: int, target, *args, backend: str | None = None):
 
 
 def _entry(rank: int, tp: int, init: str, out: str, backend: str, target, args) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank killed by a signal (a C++ abort in a collective) still prints its Python stack
     if backend == "nccl":
         torch.cuda.set_device(rank)
     if backend == "gloo":
@@ -648,6 +651,7 @@ def _entry(rank: int, tp: int, init: str, out: str, backend: str, target, args) 
         r = target(rank, tp, *args)
         if rank == 0:
             Path(out).write_bytes(pickle.dumps(r))
+        dist.barrier()  # no rank tears the group down while a peer still waits in a collective
     finally:
         dist.destroy_process_group()
 
