@@ -326,6 +326,21 @@ class Executor:
     def forget_session(self, sid: str) -> None:
         self.streams.pop(sid, None)
 
+    def _record_samples(self, plan: StepPlan, toks_np: np.ndarray, logits: torch.Tensor, pos: list[int],
+                        last: list[int]) -> dict[int, int]:
+        """Append each sampled token (decode rows, then the chunks that end a prompt) to its session's stream, log
+        its logits if asked; returns {request id: token}."""
+        kd, kp = plan.num_decode, plan.num_prefill
+        sample_ids = plan.decode_ids.tolist() + [int(plan.prefill_ids[i]) for i in range(kp) if plan.prefill_last[i]]
+        sampled = {}
+        for j, (rid, tok) in enumerate(zip(sample_ids, toks_np.tolist())):
+            sampled[rid] = tok
+            s = self._stream(rid)
+            s.append(self.tokens.output_id(rid, len(s), tok))
+            if self.opts.record_logits:
+                self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].to("cpu", copy=True)))
+        return sampled
+
     # ------------------------------------------------------------------ graphs
     def graph_keys(self, max_context: int, max_batch: int | None = None) -> list[tuple[int, int]]:
         """Every (batch bucket, context bucket) a run with contexts up to ``max_context`` tokens and at most
@@ -573,14 +588,7 @@ class Executor:
             torch.cuda.synchronize()
         gpu_s = time.perf_counter() - t0
 
-        sample_ids = plan.decode_ids.tolist() + [int(plan.prefill_ids[i]) for i in range(kp) if plan.prefill_last[i]]
-        sampled = {}
-        for j, (rid, tok) in enumerate(zip(sample_ids, toks_np.tolist())):
-            sampled[rid] = tok
-            s = self._stream(rid)
-            s.append(self.tokens.output_id(rid, len(s), tok))
-            if self.opts.record_logits:
-                self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].to("cpu", copy=True)))
+        sampled = self._record_samples(plan, toks_np, logits, pos, last)
         host_s = self.sched.take_host_s() if hasattr(self.sched, "take_host_s") else 0.0
         breakdown = {"host": host_s}
         if host_plan_s:

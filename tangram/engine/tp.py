@@ -324,6 +324,7 @@ class TPDriver:
 
     _stream = Executor._stream  # the session token streams (prompts + sampled outputs) live on rank 0 only
     _gather = Executor._gather
+    _record_samples = Executor._record_samples
     forget_session = Executor.forget_session
 
     def __init__(self, rank0: TPRank, sched: TimedScheduler, tokens: TokenSource, setup: RankSetup):
@@ -411,21 +412,14 @@ class TPDriver:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        kd, kp = plan.num_decode, plan.num_prefill
+        kp = plan.num_prefill
         ids, pos, bounds = self._gather(plan)
         last = [bounds[i + 1] - 1 for i in range(kp) if plan.prefill_last[i]]
         mine = self._send(self.messages(plan, ids, pos))
         logits, host_plan_s = self.rank0.step(mine)
         toks_np = self.rank0.sampler(logits).cpu().numpy()
         gpu_s = time.perf_counter() - t0
-        sample_ids = plan.decode_ids.tolist() + [int(plan.prefill_ids[i]) for i in range(kp) if plan.prefill_last[i]]
-        sampled = {}
-        for j, (rid, tok) in enumerate(zip(sample_ids, toks_np.tolist())):
-            sampled[rid] = tok
-            s = self._stream(rid)
-            s.append(self.tokens.output_id(rid, len(s), tok))
-            if self.opts.record_logits:
-                self.logit_log.append((rid, pos[j] if j < kd else pos[last[j - kd]], logits[j].to("cpu", copy=True)))
+        sampled = self._record_samples(plan, toks_np, logits, pos, last)
         host_s = self.sched.take_host_s()
         breakdown = {"host": host_s, "engine": gpu_s - host_plan_s}
         if host_plan_s:
