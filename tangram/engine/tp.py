@@ -53,7 +53,7 @@ from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, T
 from tangram.engine.model import Transformer
 from tangram.engine.weights import build_model
 from tangram.errors import ConfigError
-from tangram.paging import KVLayout
+from tangram.paging import KVLayout, OutOfPages, PagePool
 from tangram.placement import check_tp, page_shares, rank_tables
 from tangram.plan import StepPlan, StepResult
 
@@ -128,36 +128,35 @@ def build_shard(sd: dict[str, torch.Tensor], cfg: ModelConfig, perm: np.ndarray,
 
 
 class PageMap:
-    """One rank's pages: the scheduler's page id -> a page of the rank's own pool (a free stack, as PagePool)."""
+    """One rank's pages: the scheduler's page id -> a page of the rank's own pool. The rank pages come from a
+    :class:`~tangram.paging.PagePool` of the rank's capacity (the one allocator class: its free stack and its
+    double-free checks), each held once while the scheduler's page is mapped."""
 
     def __init__(self, num_pages: int, capacity: int, rank: int):
         self.g2l = np.full(num_pages, -1, dtype=np.int64)
+        self.pool = PagePool(int(capacity), 1)
         self.capacity, self.rank = int(capacity), rank
-        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)
-        self.n_free = int(capacity)
         self.peak = 0
 
     @property
     def n_used(self) -> int:
-        return self.capacity - self.n_free
+        return self.pool.n_used
 
     def release(self, gids: np.ndarray) -> np.ndarray:
         loc = self.g2l[gids]
         assert (loc >= 0).all(), "release of a page this rank does not hold"
         self.g2l[gids] = -1
-        self._free[self.n_free:self.n_free + loc.size] = loc
-        self.n_free += loc.size
+        self.pool.release(loc)
         return loc
 
     def assign(self, gids: np.ndarray) -> np.ndarray:
-        n = gids.size
-        if n > self.n_free:
+        try:
+            loc = self.pool.alloc(gids.size).astype(np.int64)
+        except OutOfPages:
             raise RuntimeError(f"tensor-parallel rank {self.rank} is out of KV pages ({self.capacity} pages, "
-                               f"{self.n_free} free, {n} needed): the scheduler's one pool is sized by the fullest "
-                               f"rank's page share and this mix put more on rank {self.rank}; lower "
-                               f"gpu_memory_utilization or use the balanced placement")
-        loc = self._free[self.n_free - n:self.n_free][::-1].copy()
-        self.n_free -= n
+                               f"{self.pool.n_free} free, {gids.size} needed): the scheduler's one pool is sized by "
+                               f"the fullest rank's page share and this mix put more on rank {self.rank}; lower "
+                               f"gpu_memory_utilization or use the balanced placement") from None
         self.g2l[gids] = loc
         self.peak = max(self.peak, self.n_used)
         return loc
