@@ -205,14 +205,11 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
 
     ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
     each step's plan and measured time through it). Decode graphs are captured before the clock starts."""
-    tc = TritonCompiles().__enter__()  # from the warm-up on: in-run compiles are compared with the warm-up's
-    tc.running = False
-    try:
+    with TritonCompiles() as tc:  # from the warm-up on: in-run compiles are compared with the warm-up's
+        tc.running = False
         return _run_mode(trace, spec, mode, model, tc, device=device, seed=seed, sampling=sampling,
                          time_ops=time_ops, tokenizer=tokenizer, progress=progress, warmup=warmup,
                          dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs)
-    finally:
-        tc.__exit__(None, None, None)
 
 
 def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops, tokenizer, progress, warmup,
