@@ -1,7 +1,8 @@
 """Tensor-parallel engine (tangram/engine/tp.py) on the CPU: 2 gloo processes against the one-process engine.
 
-One launch serves every case (spawning two processes costs seconds on a 2-core machine): each mode whose selection
-is per head (full, uniform, br, br+rp, tangram) under the contiguous and the balanced placement, a shared-prefix
+One launch serves every case (spawning two processes costs seconds on a 2-core machine): every mode (full, uniform,
+br, br+rp, tangram, and dynamic, whose one top-k compares heads of both ranks: per-layer and cross-layer scope, and
+counts drawn from the profile) under the contiguous and the balanced placement, a shared-prefix
 trace (copy-on-write of pages on their rank), and a run whose weights are deliberately sharded by another placement
 than the scheduler's layout (it must not match: the check can fail). References: the single-process executor on the
 full model with the same seeded weights (float32; the CPU engine runs the float64 reference kernels)."""
@@ -27,7 +28,7 @@ from tangram.traces.format import Trace, Turn
 
 SEED = 5
 TOL = 1e-5  # relative to the largest |logit| of the row; fp32 all-reduce reassociation measures ~3e-7
-MODES = ("full", "uniform", "br", "br+rp", "tangram")
+MODES = ("full", "uniform", "br", "br+rp", "tangram", "dynamic")
 PLACEMENTS = ("contiguous", "balanced")
 
 
@@ -64,16 +65,20 @@ def shared_prefix():
                   Turn("b:0", "b", 0, 1000.0, 0.0, 55, 5, prefix=CHAIN)])
 
 
-def cases():
-    """(name, trace, mode, placement, wrong_shards)"""
-    out = [(f"{m}-{p}", multi_turn(), m, p, False) for m in MODES for p in PLACEMENTS]
-    out += [("prefix-tangram-balanced", shared_prefix(), "tangram", "balanced", False),
-            ("prefix-full-balanced", shared_prefix(), "full", "balanced", False),
-            ("wrong-shards", multi_turn(), "tangram", "balanced", True)]
-    return out
-
-
 OPTS = ExecutorOptions(record_logits=True, cuda_graphs="off")
+PROFILE_KEEP = dataclasses.replace(OPTS, dynamic_keep="profile")
+
+
+def cases():
+    """(name, trace, mode, placement, wrong_shards, engine overrides, executor options)"""
+    out = [(f"{m}-{p}", multi_turn(), m, p, False, {}, OPTS) for m in MODES for p in PLACEMENTS]
+    out += [("prefix-tangram-balanced", shared_prefix(), "tangram", "balanced", False, {}, OPTS),
+            ("prefix-full-balanced", shared_prefix(), "full", "balanced", False, {}, OPTS),
+            ("dynamic-cross-layer-balanced", multi_turn(), "dynamic", "balanced", False,
+             {"budget_scope": "cross-layer"}, OPTS),
+            ("dynamic-profile-balanced", multi_turn(), "dynamic", "balanced", False, {}, PROFILE_KEEP),
+            ("wrong-shards", multi_turn(), "tangram", "balanced", True, {}, OPTS)]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +86,9 @@ def tp2():
     """Every case served once on 2 gloo ranks: {name: rank 0's result}."""
     cfg, prof = tiny_cfg(), profile(tiny_cfg())
     jobs = []
-    for name, tr, mode, pl, wrong in cases():
-        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode, tp=2, placement=pl), prof)
-        job = dict(trace=tr, spec=spec, mode=mode, options=OPTS, seed=3)
+    for name, tr, mode, pl, wrong, kw, opts in cases():
+        spec = DeploymentSpec(cfg, get_gpu("h100"), engine(mode, tp=2, placement=pl, **kw), prof)
+        job = dict(trace=tr, spec=spec, mode=mode, options=opts, seed=3)
         if wrong:  # the weights of the contiguous placement under the balanced layout
             job["shard_perm"] = KVLayout.build(cfg, spec.engine.with_(placement="contiguous"),
                                                prof.with_alpha(1.0).B).perm
@@ -112,15 +117,15 @@ def tp1():
 def _tp1_cases(cfg, prof, model, cpu_reference):
     out = {}
     with cpu_reference(True):
-        for name, tr, mode, pl, wrong in cases():
-            eng = engine(mode)
+        for name, tr, mode, pl, wrong, kw, opts in cases():
+            eng = engine(mode, **kw)
             sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
-            exe = Executor(model, sched, TokenSource.from_trace(tr, cfg.vocab, seed=3), OPTS)
+            exe = Executor(model, sched, TokenSource.from_trace(tr, cfg.vocab, seed=3), opts)
             res = Cluster(tr, [(sched, exe)]).run()
             assert leak_check(sched)["ok"]
             out[name] = {"streams": exe.streams, "status": {r.request_id: r.status for r in res.records},
                          "logits": {(rid, p): lg.numpy() for rid, p, lg in exe.logit_log},
-                         "page_copies": sched.stats.page_copies}
+                         "page_copies": sched.stats.page_copies, "pages_reclaimed": sched.stats.pages_reclaimed}
     return out
 
 
@@ -143,6 +148,8 @@ def test_tp2_logits_tokens_and_pages_equal_tp1(tp2, tp1, name):
         assert r["pages_in_use"] == 0 and r["map_pages_in_use"] == 0 and r["pages_peak"] > 0 and r["steps"] > 0
     if name.startswith("prefix-tangram"):  # the hit copied partial pages on their ranks, as with one process
         assert got["prefix_hits"] == 1 and got["page_copies"] > 0 and ref["page_copies"] > 0
+    if name.startswith("dynamic"):  # the one top-k over both ranks' heads reclaimed what one process reclaims
+        assert got["pages_reclaimed"] == ref["pages_reclaimed"] > 0
 
 
 def test_placements_permute_the_shards(tp2):

@@ -503,7 +503,7 @@ class Executor:
             arrays["cu"] = np.asarray(bounds) - kd
             c = plan.prefill_tokens
             if self.retention == "global" and self.opts.dynamic_keep == "profile":
-                keep = drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
+                keep = self._drawn_keep(plan)
             elif self.retention == "global" and self.engine.budget_scope == "uniform":  # no threshold: per head
                 keep = np.broadcast_to(np.ceil(self.layer_rho[None, :, None] * c[:, None, None] - 1e-9),
                                        (kp, L, H)).astype(np.int64)
@@ -512,10 +512,11 @@ class Executor:
             if keep is not None:  # every layer's per-head counts in the step's one copy
                 arrays["keep"] = np.minimum(keep, c[:, None, None])
             elif self.retention == "global" and self.layer_rho is not None:  # per layer: its top-k over its heads
-                arrays["gk"] = np.ceil(self.layer_rho[None, :] * H * c[:, None] - 1e-9)  # [kp, L]
+                Hg = self.selection_heads  # every KV head of the layer, on whichever rank it lives
+                arrays["gk"] = np.ceil(self.layer_rho[None, :] * Hg * c[:, None] - 1e-9)  # [kp, L]
                 gk_max = arrays["gk"].max(axis=0).astype(np.int64).tolist()
             elif self.retention == "global":  # cross-layer: one top-k over every layer, after the last layer
-                arrays["gk"] = np.ceil(self.engine.rho * L * H * c - 1e-9)[:, None]  # [kp, 1]
+                arrays["gk"] = np.ceil(self.engine.rho * L * self.selection_heads * c - 1e-9)[:, None]  # [kp, 1]
                 gk_max = [int(arrays["gk"].max())]
         st = dict(self._upload(arrays), kd=kd, kp=kp, bounds=bounds, ops=ops)
         if kd:
@@ -658,7 +659,8 @@ class Executor:
             elif "deferred" in st:  # dynamic, cross-layer: selected once every layer has scored the chunks
                 st["deferred"].append((scores, k, v, tables, lens))
             else:  # dynamic, per-layer: the layer's top-k of each chunk over all its heads, as per-head counts
-                counts = global_keep_counts(scores, cu, st["gk"][:, l], st["gk_max"][l])
+                counts = self._own_heads(global_keep_counts(self._all_heads(scores, [l]), cu, st["gk"][:, l],
+                                                            st["gk_max"][l]), [l])
                 select_scatter(scores, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
                                **kw)
         ops.stop("compression")
@@ -690,6 +692,27 @@ class Executor:
                                                     params=P, head_to_slot=h2s, scale=self.scale)
         return out
 
+    # dynamic mode's selection compares every KV head of a layer; under tensor parallelism they live on several
+    # ranks (tangram.engine.tp overrides these three), on one GPU they are all here
+    @property
+    def selection_heads(self) -> int:
+        """KV heads of a layer that one global top-k compares."""
+        return self.cfg.num_kv_heads
+
+    def _all_heads(self, scores: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        """``[kp, X*H_here, CS]`` scores of ``layers`` (layer-major, slot order) -> ``[kp, X*H, CS]`` of every head
+        of those layers, in KV-head order (so the top-k's tie-break at the threshold does not depend on the head
+        placement; on one GPU the dynamic layout's slots are the heads)."""
+        return scores
+
+    def _own_heads(self, counts: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        """Per-head counts ``[kp, X*H]`` in KV-head order -> those of the slots held here."""
+        return counts
+
+    def _drawn_keep(self, plan: StepPlan) -> np.ndarray:
+        """``dynamic_keep='profile'``: the per-head counts drawn from the profile (as the cost model draws them)."""
+        return drawn_keep(self.sched.profile, self.sched.layout, self.opts.sampling.seed, plan)
+
     def _cross_layer_select(self, st: dict) -> None:
         """Dynamic mode, cross-layer scope: each chunk keeps its top ceil(rho * L * H * c) keys over every layer and
         head at once (one threshold), then each layer's kept K/V is copied as in the per-layer path. The chunk's
@@ -697,8 +720,10 @@ class Executor:
         rows = st.pop("deferred")
         cu, cmax = st["cu"], st["max_chunk"]
         L, H = len(rows), self.cfg.num_kv_heads
-        scores = torch.cat([r[0] for r in rows], dim=1)  # [kp, L*H, CS], layer-major
-        counts = global_keep_counts(scores, cu, st["gk"][:, 0], st["gk_max"][0]).view(-1, L, H)
+        every = list(range(L))
+        scores = self._all_heads(torch.cat([r[0] for r in rows], dim=1), every)  # [kp, L*H, CS], layer-major
+        counts = self._own_heads(global_keep_counts(scores, cu, st["gk"][:, 0], st["gk_max"][0]), every)
+        counts = counts.view(-1, L, H)
         kw = dict(page_size=self.P, heads_per_group=self.hp, pool_kernel=1)
         for l, (sc, k, v, tables, lens) in enumerate(rows):
             select_scatter(sc, k, v, cu, cmax, counts[:, l].contiguous(), self.cache.layer_pool(l), tables, lens,

@@ -28,8 +28,13 @@ for the next message. Sampling and every token that goes back to the scheduler h
 its own account of the rank pages in use from the messages alone, so the leak check at the end of a run (every
 rank's account and rank 0's map empty) covers every rank.
 
-Not covered: ``dynamic`` mode (its global top-k compares heads held by different ranks; needs a cross-rank
-selection), CUDA graphs (steps run eager), and a rank-aware allocator: the scheduler's pool is sized by the
+``dynamic`` mode: its top-k compares every head of a layer (per-layer scope) or of the model (cross-layer), so each
+rank all-gathers the chunk scores of its heads, every rank computes the same per-head counts from the gathered
+scores and keeps its own heads' share; the counts each rank realised are all-gathered back to rank 0 for the
+scheduler's page reclaim. With ``dynamic_keep='profile'`` rank 0 draws the counts for every head (the scheduler's
+layout, as on one GPU) and sends each rank its slice.
+
+Not covered: CUDA graphs (steps run eager), and a rank-aware allocator: the scheduler's pool is sized by the
 fullest rank's page share (as ``sim/tp.py`` does) and a rank whose pages run out raises a clear error.
 """
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tangram.budgets import drawn_keep
 from tangram.config import EngineConfig, ModelConfig
 from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource, _Ops
 from tangram.engine.model import Transformer
@@ -230,13 +236,12 @@ class TPRank(Executor):
     vocabulary-parallel embedding/lm_head and the all-reduces of :mod:`tangram.engine.tp`."""
 
     def __init__(self, model: Transformer, setup: RankSetup, rank: int, tp: int):
-        if setup.engine.retention == "global":
-            raise ConfigError("dynamic mode is not supported under tp > 1: its global top-k compares heads that "
-                              "different ranks hold")
         opts = dataclasses.replace(setup.options, cuda_graphs="off")
         super().__init__(model, _RankView(setup, rank), None, opts)
         self.rank, self.tp = rank, tp
         self.vocab = setup.model.vocab
+        self.heads_all = setup.model.num_kv_heads
+        self.global_perm = np.asarray(setup.layout.perm)  # [L, H] the scheduler's slot -> KV head
         self.v0 = rank * model.cfg.vocab
         self.used = np.zeros(setup.capacity, dtype=bool)  # this rank's own account of its pages, from the messages
         self.step_s: list[float] = []
@@ -268,6 +273,31 @@ class TPRank(Executor):
         dist.all_gather(parts, loc)
         return torch.cat(parts, dim=-1)[:, :self.vocab]
 
+    # dynamic mode: one selection over the heads of every rank
+    @property
+    def selection_heads(self) -> int:
+        return self.heads_all
+
+    def _all_heads(self, scores: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        kp, n, cs = scores.shape
+        hr, X = self.cfg.num_kv_heads, len(layers)
+        parts = [torch.empty_like(scores) for _ in range(self.tp)]
+        dist.all_gather(parts, scores.contiguous())
+        # rank-major slots within each layer: [kp, X, N, H_r, CS] -> [kp, X, H, CS] in slot order -> head order
+        s = torch.stack([p.view(kp, X, hr, cs) for p in parts], dim=2).reshape(kp, X, hr * self.tp, cs)
+        slot_of_head = torch.as_tensor(np.argsort(self.global_perm[layers], axis=1), device=s.device)
+        return s[:, torch.arange(X, device=s.device)[:, None], slot_of_head].reshape(kp, n * self.tp, cs)
+
+    def _own_heads(self, counts: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        kp, hr, X = counts.shape[0], self.cfg.num_kv_heads, len(layers)
+        c = counts.view(kp, X, hr * self.tp)
+        head_of_slot = torch.as_tensor(self.global_perm[layers][:, self.rank * hr:(self.rank + 1) * hr],
+                                       device=c.device)
+        return c[:, torch.arange(X, device=c.device)[:, None], head_of_slot].reshape(kp, -1)
+
+    def _drawn_keep(self, plan: StepPlan) -> np.ndarray:
+        return plan.prefill_keep  # rank 0 drew every head's count and sent this rank its slots (TPDriver.messages)
+
     def _rows_tables(self, rows: np.ndarray) -> tuple[torch.Tensor, int]:
         idx = [self._row_pos[int(r)] for r in np.asarray(rows).tolist()]
         t = self._tab[idx]
@@ -284,8 +314,9 @@ class TPRank(Executor):
             self.used[m.alloc] = True
 
     @torch.inference_mode()
-    def step(self, m: RankStep) -> tuple[torch.Tensor, float]:
-        """Run the rank's shard of the step; returns (logits of the sampling rows, host planning seconds)."""
+    def step(self, m: RankStep) -> tuple[torch.Tensor, float, np.ndarray | None]:
+        """Run the rank's shard of the step; returns (logits of the sampling rows, host planning seconds, and in
+        dynamic mode the per-head counts every rank realised [kp, L, H] in slot order)."""
         t0 = time.perf_counter()
         self.account(m)
         if m.copy_src.size:
@@ -298,15 +329,21 @@ class TPRank(Executor):
         self._row_pos = {r: i for i, r in enumerate(rows)}
         self._tab = self.cache.tables(m.tables)
         ops = self._ops = _Ops(self.opts.time_ops, self.cuda)
-        h, _, host_plan_s = self._forward_eager(plan, m.ids.tolist(), m.pos.tolist(), bounds, last, ops)
+        h, st, host_plan_s = self._forward_eager(plan, m.ids.tolist(), m.pos.tolist(), bounds, last, ops)
         logits = self._lm_head(h)
+        realized = None
+        if kp and self.retention == "global":
+            mine = st["realized"].contiguous()
+            parts = [torch.empty_like(mine) for _ in range(self.tp)]
+            dist.all_gather(parts, mine)
+            realized = torch.cat(parts, dim=2).cpu().numpy().astype(np.int64)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self._ops = None
         for k, v in ops.totals().items():
             self.op_s[k] = self.op_s.get(k, 0.0) + v
         self.step_s.append(time.perf_counter() - t0)
-        return logits, host_plan_s
+        return logits, host_plan_s, realized
 
     def report(self) -> dict:
         return {"rank": self.rank, "pages_in_use": int(self.used.sum()), "pages_total": int(self.used.size),
@@ -383,12 +420,15 @@ class TPDriver:
             tabs.append(np.where(Gr >= 0, pm.g2l[np.maximum(Gr, 0)], -1).astype(np.int32))
         ids = np.asarray(ids, dtype=np.int64)
         pos = np.asarray(pos, dtype=np.int64)
+        keep = plan.prefill_keep
+        if plan.num_prefill and self.sched.engine.retention == "global" and self.opts.dynamic_keep == "profile":
+            keep = drawn_keep(self.sched.profile, self.layout, self.opts.sampling.seed, plan)  # every head, as TP=1
         out = []
         for r, pm in enumerate(self.maps):
             sl = self.slots[r]
             rp = dataclasses.replace(plan, decode_head_lens=plan.decode_head_lens[:, :, sl],
                                      prefill_head_lens=plan.prefill_head_lens[:, :, sl],
-                                     prefill_keep=plan.prefill_keep[:, :, sl],
+                                     prefill_keep=keep[:, :, sl],
                                      prefill_pages=plan.prefill_pages[:, self.tables[r]], counters={},
                                      copy_src=np.zeros(0, np.int64), copy_dst=np.zeros(0, np.int64))
             m = RankStep("step", rp, ids, pos, tabs[r], np.concatenate(freed[r]), allocs[r])
@@ -415,7 +455,7 @@ class TPDriver:
         ids, pos, bounds = self._gather(plan)
         last = [bounds[i + 1] - 1 for i in range(kp) if plan.prefill_last[i]]
         mine = self._send(self.messages(plan, ids, pos))
-        logits, host_plan_s = self.rank0.step(mine)
+        logits, host_plan_s, realized = self.rank0.step(mine)
         toks_np = self.rank0.sampler(logits).cpu().numpy()
         gpu_s = time.perf_counter() - t0
         sampled = self._record_samples(plan, toks_np, logits, pos, last)
@@ -424,7 +464,7 @@ class TPDriver:
         if host_plan_s:
             breakdown["runtime_plan"] = host_plan_s
         self.steps += 1
-        return StepResult(plan.step, gpu_s + host_s, breakdown, None, sampled)
+        return StepResult(plan.step, gpu_s + host_s, breakdown, realized, sampled)
 
     def finish(self) -> dict:
         """After the run (every session ended, the prefix cache cleared): every rank gives back the pages the pool
@@ -490,9 +530,6 @@ def serve_tp(trace, spec, mode: str, full_sd: dict, *, dtype, device, options: E
 
     engine = spec.engine.with_(mode=mode)
     tp = engine.tp
-    if engine.retention == "global":
-        raise ConfigError("dynamic mode is not supported under tp > 1: its global top-k compares heads that "
-                          "different ranks hold")
     per_rank = pool_bytes_for(spec.model, spec.gpu, engine, device)
     probe = TimedScheduler(spec.model, engine, spec.profile, num_pages=1)
     B = probe.profile.B if probe.profile is not None else None
@@ -551,7 +588,8 @@ def run_mode_tp(trace, spec, mode: str, model, *, device, seed: int = 0, samplin
         tpi["step_time_imbalance"] = float(comp.max() / comp.mean()) if comp.mean() > 0 else 1.0
     summ.update({"wall_s": wall, "kv_pool_bytes": sched.pool.num_pages * sched.layout.page_bytes,
                  "kv_pool_pages": sched.pool.num_pages, "leak_check": leak, "leak_ok": leak["ok"],
-                 "dynamic_keep": None, "peak_kv_gib": summ["peak_kv_bytes"] / 2**30, "cuda_graphs": None,
+                 "dynamic_keep": dynamic_keep if spec.engine.with_(mode=mode).retention == "global" else None,
+                 "peak_kv_gib": summ["peak_kv_bytes"] / 2**30, "cuda_graphs": None,
                  "tp": tpi})
     return summ, res, leak
 
@@ -576,7 +614,7 @@ def serve_jobs(rank: int, tp: int, cfg: ModelConfig, weights_seed: int, jobs: li
                                       options=j["options"], seed=j.get("seed", 0), shard_perm=j.get("shard_perm"))
             st = drv.sched.stats
             out.append({"streams": drv.streams, "leak": leak, "perm": drv.layout.perm, "page_copies": st.page_copies,
-                        "prefix_hits": st.prefix_hits,
+                        "prefix_hits": st.prefix_hits, "pages_reclaimed": st.pages_reclaimed,
                         "status": {r.request_id: r.status for r in res.records},
                         "logits": [(rid, p, lg.numpy()) for rid, p, lg in drv.logit_log]})
         stop_workers()
@@ -588,10 +626,6 @@ def run_bench(args, spec) -> dict:
     (:func:`tangram.engine.bench.run`), the others serve; returns rank 0's metrics."""
     tp = spec.engine.tp
     check_tp(spec.model.num_kv_heads, tp, spec.engine.heads_per_group if spec.engine.ragged else None)
-    bad = [m for m in spec.mode_list if spec.engine.with_(mode=m).retention == "global"]
-    if bad:
-        raise ConfigError(f"--tp {tp}: mode {bad[0]} is not supported under tensor parallelism (its global top-k "
-                          f"compares heads that different ranks hold); run it with --tp 1")
     cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
     if cuda and torch.cuda.device_count() < tp:
         raise ConfigError(f"--tp {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible")
