@@ -3,13 +3,20 @@
 # (BEFORE, default ../before) and the simpy wheel (WHL, default ../whl):
 #   GPU checks (tests/gpu), the roofline of the engine after and before (same call, same machine), the kernel
 #   sweeps (decode AOT vs static with the regime choice, compression at 512..4096-token chunks).
-# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, SKIP (space list of: tests after before kbench).
+# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, SKIP (space list of: tests after before kbench),
+# FI (FlashInfer wheels for the headline section).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
 BEFORE=${BEFORE:-$ROOT/../before}
 WHL=${WHL:-$ROOT/../whl}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $WHL/*.whl || exit 1
+# FI: a folder of wheels for the kernel bench's FlashInfer peer (flashinfer-python 0.2.14.post1 built from its
+# sdist, JIT-compiled here with nvcc; ninja and requests with it), carried like WHL
+if [ -n "$FI" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $FI/*.whl || exit 1
+  export PATH=/tmp/site/bin:$PATH
+fi
 mk() { mkdir -p $1; printf "import sys; sys.path.insert(0, '%s')\nimport tangram; tangram.__path__.append('%s')\n" $2 $2 > $1/sitecustomize.py; }
 mk /tmp/site_after $ROOT
 mk /tmp/site_before $BEFORE
