@@ -24,7 +24,8 @@ tail (embedding/logits/sampling launches, the host copy of the sampled tokens, b
 fitted (``scipy.optimize.least_squares``, errors weighted by 1/sqrt(measured), all >= 0) to every step of engine
 runs on the GPU by ``python -m tangram.sim.fit_engine``, which writes them to ``engine_overhead.json`` in
 the GPU's calibration folder, per model, with provenance. They describe this engine on that machine (its host
-CPU included).
+CPU included). A weak prior (:data:`SCALE_PRIOR`) holds each scale at 1 unless the steps say otherwise, so a scale
+the steps cannot tell from a constant stays the tables' own and transfers with them to another GPU.
 """
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ COEFFS = ("layer_s", "decode_layer_s", "aot_decode_layer_s", "prefill_chunk_laye
           "row_s", "sync_s", "graph_s", "kernel_scale", "prefill_scale", "compress_scale", "decode_scale",
           "graph_scale")
 ONE_OFF = 2.0  # a step this many times slower than its fitted time is a one-off, left out of the fit
+# Weight of the prior that pulls each scale toward 1 (the tables' own time), per step, in the units of the weighted
+# residuals (~ relative step error): a scale moves away from 1 only where the steps pay for it. Without it a term
+# whose table time hardly varies across the fitted steps (a calibration trace's graphed decode steps: ~constant
+# weight streaming) is not identifiable from the constant beside it, and the fit traded them freely (H100,
+# 2026-11-24: graph_scale 0.18 + graph_s 5.2 ms), which prices another GPU's faster kernels as barely faster.
+SCALE_PRIOR = 0.02
 _PER_LAYER = 5  # the first five coefficients are per layer
 _SECONDS = 8  # ... and the first eight are seconds; the rest are scales
 _TERM_SCALE = {"dense": "kernel_scale", "prefill_attention": "prefill_scale", "compression": "compress_scale",
@@ -143,8 +150,11 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
         sub = {t: v[keep] for t, v in kernels.items()}
         f = (kd[keep], kp[keep], compress[keep], aot[keep], graphed[keep])
 
-        def resid(x, sub=sub, f=f):
-            return (EngineOverhead(*(x * unit)).step_s(sub, num_layers, *f) - measured_s[keep]) * w[keep]
+        prior = SCALE_PRIOR * np.sqrt(keep.sum())
+
+        def resid(x, sub=sub, f=f, prior=prior):
+            data = (EngineOverhead(*(x * unit)).step_s(sub, num_layers, *f) - measured_s[keep]) * w[keep]
+            return np.concatenate([data, prior * (x[_SECONDS:] - 1.0)])
 
         sol = least_squares(resid, x0, bounds=(lo, hi), x_scale="jac")
         ov = EngineOverhead(*(sol.x * unit))

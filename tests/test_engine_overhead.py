@@ -60,6 +60,26 @@ def test_fit_predicts_held_out_steps():
                                                                         / want - 1).mean()
 
 
+def test_a_scale_the_steps_cannot_identify_stays_at_one_and_transfers():
+    """Graphed decode steps whose table time hardly varies (a calibration trace of short, similar decode steps)
+    cannot separate graph_scale from graph_s; the prior keeps the scale at the tables' own (1), so the fit still
+    prices the same steps on a GPU whose kernels are 1.43x faster (the datasheet transfer to the H200) as the truth
+    does. Without the prior this fit returned graph_scale ~0.2 and missed the faster GPU's steps by ~+30%."""
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1.2e-3, 1.0, compress_scale=0.3,
+                              graph_scale=1.0)
+    kern, meas, kd, kp, comp, aot, graphed = _synthetic_steps(rng, truth, 600)
+    kern["dense"] = np.where(graphed, 5.5e-3 * rng.uniform(0.995, 1.005, graphed.size), kern["dense"])
+    kern["decode_attention"] = np.where(graphed, 2e-4, kern["decode_attention"])
+    meas = truth.step_s(kern, 32, kd, kp, comp, aot, graphed) * rng.lognormal(0, 0.02, graphed.size)
+    ov, stats = eo.fit(kern, meas, 32, kd, kp, comp, aot, graphed)
+    assert stats["converged"] and abs(ov.graph_scale - 1.0) < 0.15, ov.graph_scale
+    fast = {k: v[graphed] / 1.43 for k, v in kern.items()}
+    f = [x[graphed] for x in (kd, kp, comp, aot, graphed)]
+    err = ov.step_s(fast, 32, *f) / truth.step_s(fast, 32, *f) - 1
+    assert np.abs(err).max() < 0.05, np.abs(err).max()
+
+
 def test_graph_term_unfitted_without_graphed_steps_and_old_files_load(tmp_path):
     rng = np.random.default_rng(3)
     truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0, compress_scale=0.3)
