@@ -463,3 +463,17 @@ def test_bench_records_the_probe_and_its_scales(tmp_path):
     assert rec["label"].startswith("rescaled by the probe of synthetic")
     assert rec["scales"]["copy_bandwidth"]["ratio"] == pytest.approx(1 / 1.1)
     assert all(r == pytest.approx(1.2) for v in rec["scales"]["gemm"].values() for r in v["time_ratio"])
+
+
+def test_the_engines_fused_elementwise_kernels_price_over_torch_rows(synth):
+    """Rows of the engine's own fused kernels (impl "fused", kernels/bench's elementwise section) are what the cost
+    model reads when a table has them; a table measured before them (torch rows only) still prices by those."""
+    t = CostTables.load(synth)
+    torch_only = float(t.elementwise_interp(LLAMA, "rmsnorm")(16))
+    df = pd.read_csv(synth / "elementwise.csv").assign(impl="torch")
+    fused = df[df["op"] == "rmsnorm"].assign(impl="fused", median_ms=lambda x: x["median_ms"] / 7.0)
+    pd.concat([df, fused]).to_csv(synth / "elementwise.csv", index=False)
+    both = CostTables.load(synth)
+    assert float(both.elementwise_interp(LLAMA, "rmsnorm")(16)) == pytest.approx(torch_only / 7.0, rel=1e-9)
+    assert float(both.elementwise_interp(LLAMA, "silu_mul")(16)) == pytest.approx(
+        float(t.elementwise_interp(LLAMA, "silu_mul")(16)), rel=1e-9)  # no fused row of it: the torch rows

@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 from tangram.budgets import head_groups, synthetic_profile
+from tangram.kernels import fused as fu
 from tangram.kernels import prefill as pre
 
 from .tables import ELEM_FIELDS, GEMM_FIELDS, PREFILL_FIELDS, Table
-from .timing import log, time_eager, time_graph
+from .timing import log, time_eager, time_graph, time_graph_calls
 
 
 class Sweeps:
@@ -226,6 +227,25 @@ class Sweeps:
                 for op, (fn, nbytes) in ops.items():
                     med, p20, p80 = time_eager(fn, 10)
                     tab.add(model=m.name, dtype="bfloat16", op=op, impl="torch", tokens=t,
+                            hidden=h if op != "silu_mul" else I, median_ms=med, p20_ms=p20, p80_ms=p80,
+                            gbps=nbytes / (med * 1e-3) / 1e9)
+                # the engine's own kernels (kernels/fused.py), one launch each, timed back to back in a CUDA graph
+                # as a graphed step runs them: what the cost model prices (impl "fused" rows win over "torch")
+                r = torch.randn(t, h, device=self.dev, dtype=torch.bfloat16)
+                Hq, H = m.num_q_heads, m.num_kv_heads
+                qkv = torch.randn(t, (Hq + 2 * H) * d, device=self.dev, dtype=torch.bfloat16)
+                f = pos[:, None].float() * inv[None]
+                emb = torch.cat([f, f], -1)
+                cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+                fused = {
+                    "rmsnorm": (lambda: fu.add_rms_norm(x, r, wn, m.rms_eps), 4 * t * h * 2),
+                    "rope": (lambda: fu.rope_qkv(qkv, cos, sin, num_q_heads=Hq, num_kv_heads=H, head_dim=d),
+                             2 * (Hq + H) * d * t * 2),
+                    "silu_mul": (lambda: fu.silu_mul(gu), 3 * t * I * 2),
+                }
+                for op, (fn, nbytes) in fused.items():
+                    med, p20, p80 = time_graph_calls(fn)
+                    tab.add(model=m.name, dtype="bfloat16", op=op, impl="fused", tokens=t,
                             hidden=h if op != "silu_mul" else I, median_ms=med, p20_ms=p20, p80_ms=p80,
                             gbps=nbytes / (med * 1e-3) / 1e9)
             log(f"elementwise {m.name} done")

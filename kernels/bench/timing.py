@@ -53,6 +53,13 @@ def time_graph(fn, rep_ms: float = 10.0, max_iters: int = 300):
     return float(np.median(ts)), float(np.percentile(ts, 20)), float(np.percentile(ts, 80)), "graph"
 
 
+def time_graph_calls(fn, calls: int = 20, rep_ms: float = 10.0):
+    """(median, p20, p80) ms of one call of ``fn`` when ``calls`` of them run back to back inside one CUDA graph,
+    as an engine's graph-replayed step runs its small kernels (a lone call would time the graph launch instead)."""
+    med, p20, p80, *how = time_graph(lambda: [fn() for _ in range(calls)], rep_ms)
+    return med / calls, p20 / calls, p80 / calls
+
+
 def time_eager(fn, rep_ms: float = 15.0):
     import triton.testing as tt
 

@@ -262,6 +262,8 @@ class CostTables:
         if df is None:
             return None
         rows = df[df["op"] == op]
+        if "impl" in df.columns and (rows["impl"] == "fused").any():  # the engine's fused kernels, when measured
+            rows = rows[rows["impl"] == "fused"]
         if "model" in df.columns and (rows["model"].astype(str).str.lower() == model.name).any():
             rows = rows[rows["model"].astype(str).str.lower() == model.name]
         if "hidden" in df.columns and (rows["hidden"] == model.hidden).any() and op != "silu_mul":
