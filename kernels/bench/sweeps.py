@@ -39,7 +39,9 @@ class Sweeps:
                             log(f"decode sweep: time budget reached after {dtab.n} rows")
                             return
                         for i, Hp in enumerate(mhps):
-                            kern = ["tangram_aot"] + (["runtime_plan"] if Hp == 1 else []) + \
+                            # static on the same ragged layout at every H_p (the like-with-like ratio), the
+                            # monolithic static once per point (baseline a as a system would run it)
+                            kern = ["tangram_aot", "static_split_ragged"] + (["runtime_plan"] if Hp == 1 else []) + \
                                 (["static_split"] if i == 0 else [])
                             try:
                                 self.decode_point(dtab, arena, m, b, c, rho, Hp, 0, kern, tables_cache)

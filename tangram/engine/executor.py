@@ -373,7 +373,7 @@ class Executor:
         st = {"kd": bs, "kp": 0, "ops": _Ops(False, self.cuda), "dec_tables": bufs.tables[:bs],
               "dec_lens": bufs.lens[:bs]}
         if self.partition == "aot":
-            st["sched"] = [self.aot.lookup(l, bs, ctx) for l in range(L)]
+            st["sched"] = self.aot.step(bs, ctx)
         else:
             st["max_len"] = [ctx] * L
         h = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
@@ -526,7 +526,7 @@ class Executor:
         if kd:
             if self.partition == "aot":
                 ctx = int(plan.decode_ctx.max())
-                st["sched"] = [self.aot.lookup(l, kd, ctx) for l in range(L)]
+                st["sched"] = self.aot.step(kd, ctx)
             elif self.partition == "runtime":
                 t = time.perf_counter()
                 st["sched"] = runtime_plan_schedules(plan.decode_head_lens.astype(np.int32),
