@@ -63,7 +63,8 @@ from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
     add_rms_norm, global_keep_counts, launch_decode, prefill_attention_varlen, rms_norm, rope_qkv,
-    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
+    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_compress, snapkv_scores_varlen,
+    static_split_decode,
 )
 from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec, snapkv_finish_batched
 from tangram.plan import StepPlan, StepResult
@@ -651,6 +652,13 @@ class Executor:
             select_scatter(None, k, v, cu, cmax, None, pool, tables, lens, s2h, **kw)
         else:
             realized = st["realized"][:, l]
+            if "keep" in st and self._fused_snapkv(st):  # one launch: score, kvpress's finish, top-k, copy
+                P = self.score_params
+                snapkv_compress(q, k, v, lse, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, window=P.window,
+                                pool_kernel=P.kernel, sm_scale=self.scale, width=score_width(self.engine.chunk_size),
+                                kept=realized, **kw)
+                ops.stop("compression")
+                return
             scores = self._chunk_scores(l, q, k, v, lse, cu, cmax, st)  # finished: select_scatter pools nothing
             if "keep" in st:  # per-head counts: the plan's (static modes), drawn (dynamic, profile) or the uniform scope
                 select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, pool_kernel=1,
@@ -662,6 +670,12 @@ class Executor:
                 select_scatter(scores, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
                                **kw)
         ops.stop("compression")
+
+    def _fused_snapkv(self, st: dict) -> bool:
+        """SnapKV/PyramidKV with every chunk longer than the window and per-head counts: the case
+        :func:`tangram.kernels.compress.snapkv_compress` does in one launch (the scores never leave it)."""
+        return method_spec(self.engine.score_method).scorer == "snapkv" and \
+            int(st["pf_tokens"].min()) > self.score_params.window
 
     def _chunk_scores(self, l: int, q, k, v, lse, cu, max_chunk: int, st: dict) -> torch.Tensor:
         """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end) of every new token of the step's
