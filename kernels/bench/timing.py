@@ -102,6 +102,22 @@ def time_graphs(fns, rep_ms: float = 10.0, max_iters: int = 300):
     return out
 
 
+def kernel_launches(fn) -> float:
+    """CUDA kernels one call of ``fn`` launches (torch.profiler; memsets and copies count), NaN if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return float(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+    except Exception as e:  # noqa: BLE001
+        log(f"kernel count unavailable: {e!r}")
+        return float("nan")
+
+
 def time_eager(fn, rep_ms: float = 15.0):
     import triton.testing as tt
 
