@@ -244,21 +244,23 @@ def _finished_key(SROW, offs, c, w, POOL: tl.constexpr):
 @triton.jit(do_not_specialize=["window", "stride_lh", "max_pages"],
             do_not_specialize_on_alignment=["CU", "COUNTS", "LENS", "SLOT2HEAD", "KEPT", "CNT"])
 def _snapkv_compress_kernel(
-    Q, KN, VN, LSE, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT, SC, CNT,
+    Q, KN, VN, LSE, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT, SC, DST, CNT,
     window, qk_scale, inv_wg, max_pages,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_lh, stride_ci, stride_lb,
     stride_btb, stride_btg, stride_kvp, stride_kvkv, stride_kvh, stride_kvt, stride_ki, stride_si, stride_sh,
     stride_cnt,
     HP: tl.constexpr, GQ: tl.constexpr, GQ_P2: tl.constexpr, W_BLOCK: tl.constexpr, D: tl.constexpr,
-    P: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, POOL: tl.constexpr, IEEE: tl.constexpr,
+    P: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, POOL: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """SnapKV scoring + kvpress's finish + per-head top-count + the copy of the kept K/V, in one launch.
 
     Program (slot, token block, chunk): scores its block's keys against the window's queries of the head's GQ
     query heads (raw probability sums / (w * GQ), as snapkv_finish_batched) into the scratch row ``SC``, then
     counts itself in ``CNT[chunk, slot]``; the last block of a head to arrive (acq_rel atomic) resets the counter,
-    finds the ``cnt``-th largest finished key by a 4-round radix select (8-bit digits, histograms) and copies
-    the kept tokens in order (ties to the earliest) after the head's current length. Heads that keep every
+    finds the ``cnt``-th largest finished key by a 4-round radix select (8-bit digits, histograms), computes every
+    kept token's destination (ties to the earliest, in token order after the head's current length) into ``DST``
+    and copies the head's kept K/V, ``BLOCK_C`` tokens at a time. Heads that keep every
     token copy their block at once, without scores."""
     slot = tl.program_id(0)
     tb = tl.program_id(1)
@@ -345,29 +347,30 @@ def _snapkv_compress_kernel(
         need = need - tl.sum(tl.where(bins > dsel, hist, 0), 0)
         prefix = prefix * 256 + dsel
     thr = prefix  # the cnt-th largest key; ``need`` keys equal to it are kept (the earliest)
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for t0 in range(0, c, BLOCK_T):
-        offs_t = t0 + offs_b
+    # 3. every token's destination at once (one page-table gather), then the copy: no dependent round trips
+    # between token blocks (the K/V loads do not wait for the selection), so the serial tail stays short
+    tie = valid & (ukey == thr)
+    keep = valid & ((ukey > thr) | (tie & (tl.cumsum(tie.to(tl.int32), 0) - 1 < need)))
+    pos = lens0 + tl.cumsum(keep.to(tl.int32), 0) - 1
+    pidx = pos // P
+    ok = keep & (pidx < max_pages)
+    page = tl.load(bt_row + pidx, mask=ok, other=-1)
+    ok = ok & (page >= 0)
+    drow = DST + i.to(tl.int64) * stride_si + slot * stride_sh
+    tl.store(drow + offs, tl.where(ok, page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt,
+                                   -1), mask=valid)
+    tl.debug_barrier()  # the destinations are visible to every thread of the program
+    offs_c = tl.arange(0, BLOCK_C)
+    for t0 in range(0, c, BLOCK_C):
+        offs_t = t0 + offs_c
         vt = offs_t < c
-        kt = _finished_key(srow, offs_t, c, w, POOL).to(tl.int64) + 2147483648
-        tie = vt & (kt == thr)
-        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
-        keep = vt & ((kt > thr) | (tie & (tie_rank < need)))
-        rank = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
-        taken += tl.sum(keep.to(tl.int32), 0)
-        ties += tl.sum(tie.to(tl.int32), 0)
-        pos = lens0 + rank
-        pidx = pos // P
-        ok = keep & (pidx < max_pages)
-        page = tl.load(bt_row + pidx, mask=ok, other=-1)
-        ok = ok & (page >= 0)
-        dst = page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt
+        dst = tl.load(drow + offs_t, mask=vt, other=-1)
         rows = (row0 + offs_t).to(tl.int64)
-        kk = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        vv = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        tl.store(KV + dst[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=ok[:, None])
-        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=ok[:, None])
+        kk = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=vt[:, None], other=0.0)
+        vv = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=vt[:, None], other=0.0)
+        okt = dst >= 0
+        tl.store(KV + dst[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
+        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -577,7 +580,7 @@ def _counters(device, n: int) -> torch.Tensor:
 def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_pool, block_table, head_lens,
                     slot_to_head, *, page_size: int, heads_per_group: int, window: int, pool_kernel: int,
                     sm_scale: float | None = None, width: int | None = None, kept: torch.Tensor | None = None,
-                    block_t: int = 64) -> torch.Tensor:
+                    block_t: int = 64, block_c: int | None = None) -> torch.Tensor:
     """The engine's SnapKV compression of every chunk of a step in one launch: :func:`snapkv_scores_varlen`, then
     kvpress's finish (:func:`tangram.kernels.scoring.snapkv_finish_batched`: mean over the window's ``w * GQ``
     query rows, average pooling over the tokens before the window, the window kept), then :func:`select_scatter`
@@ -602,19 +605,20 @@ def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_p
     if kp == 0 or N == 0:
         return kept
     sc = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)
+    dst = torch.empty((kp, H, CS), device=q.device, dtype=torch.int64)
     cnt = _counters(q.device, kp * H)
     gq_p2 = triton.next_power_of_2(gq)
     w_block = max(16 // gq_p2 if gq_p2 < 16 else 1, triton.next_power_of_2(window))
     grid = (H, triton.cdiv(int(max_chunk), block_t), kp)
     _snapkv_compress_kernel[grid](
-        q, k, v, lse, cu, counts, head_lens, slot_to_head, block_table, kv_pool, kept, sc, cnt,
+        q, k, v, lse, cu, counts, head_lens, slot_to_head, block_table, kv_pool, kept, sc, dst, cnt,
         window, scale * LOG2E, 1.0 / (window * gq), block_table.shape[2],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
         counts.stride(0), head_lens.stride(0), block_table.stride(0), block_table.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kept.stride(0),
         sc.stride(0), sc.stride(1), H,
         HP=heads_per_group, GQ=gq, GQ_P2=gq_p2, W_BLOCK=w_block, D=d, P=page_size, C_BLOCK=CS, BLOCK_T=block_t,
-        POOL=pool_kernel, IEEE=q.dtype == torch.float32, num_warps=4,
+        BLOCK_C=block_c or max(16, 16384 // d), POOL=pool_kernel, IEEE=q.dtype == torch.float32, num_warps=8,
     )
     return kept
 

@@ -63,7 +63,7 @@ def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_
     fused = pool.clone()
     kept = torch.full((kp, H), -7, dtype=torch.int32)
     snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P, heads_per_group=2,
-                    window=window, pool_kernel=kernel, kept=kept, block_t=block_t)
+                    window=window, pool_kernel=kernel, kept=kept, block_t=block_t, block_c=block_t)
     assert torch.equal(kept, torch.minimum(counts, torch.tensor(cs, dtype=torch.int32)[:, None]))
     # the engine's unfused launches give the same pages bit for bit
     raw = snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
@@ -103,7 +103,7 @@ def test_fused_compression_ties_and_counters_reset():
     for _ in range(2):
         p2 = pool.clone()
         snapkv_compress(q, k, v, lse, cu, 50, counts, p2, tables, lens, s2h, page_size=P, heads_per_group=2,
-                        window=8, pool_kernel=1, block_t=16)
+                        window=8, pool_kernel=1, block_t=16, block_c=32)
         outs.append(p2)
         assert int(cmp._counters(q.device, H).abs().sum()) == 0
     assert torch.equal(outs[0], outs[1])
