@@ -224,6 +224,155 @@ def _select_scatter_kernel(
     tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
 
 
+@triton.jit
+def _finished_key(SROW, offs, c, w, POOL: tl.constexpr):
+    """Order key of kvpress's finished SnapKV score at ``offs``: the tokens before the window average-pooled (zero
+    padded, ``POOL`` wide) over the scaled raw scores in ``SROW`` (read past L1: other programs wrote them), the
+    window +inf, nothing past ``c`` (callers mask)."""
+    R: tl.constexpr = POOL // 2
+    nb = c - w
+    acc = tl.zeros(offs.shape, tl.float32)
+    for j in tl.static_range(POOL):
+        o = offs + (j - R)
+        acc += tl.load(SROW + o, mask=(o >= 0) & (o < nb), other=0.0, cache_modifier=".cg")
+    if POOL > 1:
+        acc = acc / POOL
+    s = tl.where(offs < nb, acc, float("inf"))
+    return _order_key(s)
+
+
+@triton.jit(do_not_specialize=["window", "stride_lh", "max_pages"],
+            do_not_specialize_on_alignment=["CU", "COUNTS", "LENS", "SLOT2HEAD", "KEPT", "CNT"])
+def _snapkv_compress_kernel(
+    Q, KN, VN, LSE, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT, SC, DST, CNT,
+    window, qk_scale, inv_wg, max_pages,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_lh, stride_ci, stride_lb,
+    stride_btb, stride_btg, stride_kvp, stride_kvkv, stride_kvh, stride_kvt, stride_ki, stride_si, stride_sh,
+    stride_cnt,
+    HP: tl.constexpr, GQ: tl.constexpr, GQ_P2: tl.constexpr, W_BLOCK: tl.constexpr, D: tl.constexpr,
+    P: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, POOL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """SnapKV scoring + kvpress's finish + per-head top-count + the copy of the kept K/V, in one launch.
+
+    Program (slot, token block, chunk): scores its block's keys against the window's queries of the head's GQ
+    query heads (raw probability sums / (w * GQ), as snapkv_finish_batched) into the scratch row ``SC``, then
+    counts itself in ``CNT[chunk, slot]``; the last block of a head to arrive (acq_rel atomic) resets the counter,
+    finds the ``cnt``-th largest finished key by a 4-round radix select (8-bit digits, histograms), computes every
+    kept token's destination (ties to the earliest, in token order after the head's current length) into ``DST``
+    and copies the head's kept K/V, ``BLOCK_C`` tokens at a time. Heads that keep every
+    token copy their block at once, without scores."""
+    slot = tl.program_id(0)
+    tb = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    start = tb * BLOCK_T
+    if start >= c:
+        return
+    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
+    if tb == 0:
+        tl.store(KEPT + i * stride_ki + slot, tl.maximum(cnt, 0))
+    if cnt <= 0:
+        return
+    h = tl.load(SLOT2HEAD + slot)
+    g = slot // HP
+    jj = slot % HP
+    lens0 = tl.load(LENS + i * stride_lb + slot)
+    bt_row = BT + i.to(tl.int64) * stride_btb + g * stride_btg
+    offs_d = tl.arange(0, D)
+    offs_b = tl.arange(0, BLOCK_T)
+    if cnt >= c:  # keeps everything: this block's tokens go to positions lens + t
+        offs_t = start + offs_b
+        pos = lens0 + offs_t
+        pidx = pos // P
+        ok = (offs_t < c) & (pidx < max_pages)
+        page = tl.load(bt_row + pidx, mask=ok, other=-1)
+        ok = ok & (page >= 0)
+        dst = page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt
+        rows = (row0 + offs_t).to(tl.int64)
+        k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
+        tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
+        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
+        return
+    # 1. this block's raw SnapKV scores (the window's queries of the head's GQ query heads, one dot)
+    w = tl.minimum(window, c)
+    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
+    gi = offs_r // W_BLOCK
+    rws = c - w + offs_r % W_BLOCK
+    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
+    qh = h * GQ + gi
+    offs_t = start + offs_b
+    mask_t = offs_t < c
+    kr = (row0 + offs_t).to(tl.int64)
+    qr = (row0 + rws).to(tl.int64)
+    k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_t[:, None], other=0.0)
+    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
+                other=0.0)
+    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    p = tl.exp2(sc * qk_scale - lse[:, None])
+    okp = mask_r[:, None] & mask_t[None, :] & (offs_t[None, :] <= rws[:, None])
+    raw = tl.sum(tl.where(okp, p, 0.0), 0) * inv_wg
+    srow = SC + i.to(tl.int64) * stride_si + slot * stride_sh
+    tl.store(srow + offs_t, raw, mask=mask_t)
+    # 2. the last of the head's blocks to finish selects and copies (the others are done)
+    tl.debug_barrier()  # every thread's scores are written before the release below
+    ntb = tl.cdiv(c, BLOCK_T)
+    cptr = CNT + i * stride_cnt + slot
+    arrived = tl.atomic_add(cptr, 1, sem="acq_rel", scope="gpu")
+    if arrived != ntb - 1:
+        return
+    tl.atomic_xchg(cptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    offs = tl.arange(0, C_BLOCK)
+    valid = offs < c
+    ukey = _finished_key(srow, offs, c, w, POOL).to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
+    need = cnt  # keys still to take at or below the prefix found so far
+    prefix = tl.zeros([], tl.int64)
+    bins = tl.arange(0, 256)
+    for r in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * r
+        digit = ((ukey >> shift) & 255).to(tl.int32)
+        if r == 0:
+            match = valid
+        else:
+            match = valid & ((ukey >> (shift + 8)) == prefix)
+        hist = tl.histogram(digit, 256, mask=match)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching keys with a digit >= each bin
+        dsel = tl.sum((suffix >= need).to(tl.int32), 0) - 1  # the largest digit with enough keys at or above it
+        need = need - tl.sum(tl.where(bins > dsel, hist, 0), 0)
+        prefix = prefix * 256 + dsel
+    thr = prefix  # the cnt-th largest key; ``need`` keys equal to it are kept (the earliest)
+    # 3. every token's destination at once (one page-table gather), then the copy: no dependent round trips
+    # between token blocks (the K/V loads do not wait for the selection), so the serial tail stays short
+    tie = valid & (ukey == thr)
+    keep = valid & ((ukey > thr) | (tie & (tl.cumsum(tie.to(tl.int32), 0) - 1 < need)))
+    pos = lens0 + tl.cumsum(keep.to(tl.int32), 0) - 1
+    pidx = pos // P
+    ok = keep & (pidx < max_pages)
+    page = tl.load(bt_row + pidx, mask=ok, other=-1)
+    ok = ok & (page >= 0)
+    drow = DST + i.to(tl.int64) * stride_si + slot * stride_sh
+    tl.store(drow + offs, tl.where(ok, page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt,
+                                   -1), mask=valid)
+    tl.debug_barrier()  # the destinations are visible to every thread of the program
+    offs_c = tl.arange(0, BLOCK_C)
+    for t0 in range(0, c, BLOCK_C):
+        offs_t = t0 + offs_c
+        vt = offs_t < c
+        dst = tl.load(drow + offs_t, mask=vt, other=-1)
+        rows = (row0 + offs_t).to(tl.int64)
+        kk = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=vt[:, None], other=0.0)
+        vv = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=vt[:, None], other=0.0)
+        okt = dst >= 0
+        tl.store(KV + dst[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
+        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -415,5 +564,64 @@ def _torch_select_scatter(scores, k, v, cu, counts, pool, table, lens, s2h, P, H
             pool[page, 1, slot % Hp, pos % P] = v[a + idx, h].to(pool.dtype)
 
 
-__all__ = ["prefill_attention_varlen", "snapkv_scores_varlen", "select_scatter", "pool_scores",
+_COUNTERS: dict = {}  # device -> int32 arrival counters of snapkv_compress, zero between launches
+
+
+def _counters(device, n: int) -> torch.Tensor:
+    """The arrival counters (one per (chunk, head)); every launch leaves them at zero. Allocated once per device
+    and grown (outside CUDA-graph capture in practice: the warm-up calls come first). Launches on one stream."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_pool, block_table, head_lens,
+                    slot_to_head, *, page_size: int, heads_per_group: int, window: int, pool_kernel: int,
+                    sm_scale: float | None = None, width: int | None = None, kept: torch.Tensor | None = None,
+                    block_t: int = 64, block_c: int | None = None) -> torch.Tensor:
+    """The engine's SnapKV compression of every chunk of a step in one launch: :func:`snapkv_scores_varlen`, then
+    kvpress's finish (:func:`tangram.kernels.scoring.snapkv_finish_batched`: mean over the window's ``w * GQ``
+    query rows, average pooling over the tokens before the window, the window kept), then :func:`select_scatter`
+    of each head's top-``counts[i, slot]`` (ties to the earliest tokens). Returns the kept counts ``[kp, H]``."""
+    N, Hq, d = q.shape
+    kp, H = head_lens.shape
+    gq = Hq // H
+    CS = score_width(max_chunk) if width is None else int(width)
+    if kept is None:
+        kept = torch.empty((kp, H), dtype=torch.int32, device=k.device)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if not runs_triton(q):
+        from tangram.kernels.scoring import snapkv_finish_batched
+
+        raw = snapkv_scores_varlen(q, k, lse, cu, max_chunk, torch.argsort(slot_to_head.long()).to(torch.int32),
+                                   window=window, sm_scale=sm_scale, width=CS)
+        c = (cu[1:] - cu[:-1]).cpu()
+        fin = torch.cat([snapkv_finish_batched(raw[i:i + 1], c[i:i + 1], min(window, int(c[i])), gq, pool_kernel)
+                         for i in range(kp)]) if kp else raw
+        return select_scatter(fin, k, v, cu, max_chunk, counts, kv_pool, block_table, head_lens, slot_to_head,
+                              page_size=page_size, heads_per_group=heads_per_group, pool_kernel=1, kept=kept)
+    if kp == 0 or N == 0:
+        return kept
+    sc = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)
+    dst = torch.empty((kp, H, CS), device=q.device, dtype=torch.int64)
+    cnt = _counters(q.device, kp * H)
+    gq_p2 = triton.next_power_of_2(gq)
+    w_block = max(16 // gq_p2 if gq_p2 < 16 else 1, triton.next_power_of_2(window))
+    grid = (H, triton.cdiv(int(max_chunk), block_t), kp)
+    _snapkv_compress_kernel[grid](
+        q, k, v, lse, cu, counts, head_lens, slot_to_head, block_table, kv_pool, kept, sc, dst, cnt,
+        window, scale * LOG2E, 1.0 / (window * gq), block_table.shape[2],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
+        counts.stride(0), head_lens.stride(0), block_table.stride(0), block_table.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kept.stride(0),
+        sc.stride(0), sc.stride(1), H,
+        HP=heads_per_group, GQ=gq, GQ_P2=gq_p2, W_BLOCK=w_block, D=d, P=page_size, C_BLOCK=CS, BLOCK_T=block_t,
+        BLOCK_C=block_c or max(16, 16384 // d), POOL=pool_kernel, IEEE=q.dtype == torch.float32, num_warps=8,
+    )
+    return kept
+
+
+__all__ = ["prefill_attention_varlen", "snapkv_scores_varlen", "select_scatter", "snapkv_compress", "pool_scores",
            "global_keep_counts", "score_width"]

@@ -96,8 +96,12 @@ class DecodeCosts:
     launch_s: float = 4.0e-6
     merge_s: float = 3.0e-6
     source: str = "default (not fitted)"
+    # predicted gain a map needs over FlashDecoding's split to replace it: the fit's p90 relative error (a gain
+    # inside the model's error is a coin toss; measured on the H100: 0.90-0.95x static at batch 1 / 8K when 5%)
+    margin: float = 0.05
 
     FILENAME = "decode_costs.json"
+    OPTIONAL = ("source", "margin")
 
     @classmethod
     def default(cls, copy_bw: float | None = None) -> "DecodeCosts":
@@ -117,11 +121,12 @@ class DecodeCosts:
                 v = json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
-            names = {f for f in cls.__dataclass_fields__ if f != "source"}
+            names = {f for f in cls.__dataclass_fields__ if f not in cls.OPTIONAL}
             missing = names - set(v)
             if missing:
                 raise ConfigError(f"{p}: missing field(s) {sorted(missing)}")
-            return cls(**{k: float(v[k]) for k in names}, source=f"{p.name}: {v.get('source', '')}".strip())
+            return cls(**{k: float(v[k]) for k in names}, margin=_fit_margin(v, p),
+                       source=f"{p.name}: {v.get('source', '')}".strip())
         copy = None
         if (d / "meta.json").exists():
             try:
@@ -132,6 +137,20 @@ class DecodeCosts:
 
     def to_json(self, path: str | Path, extra: dict | None = None) -> None:
         Path(path).write_text(json.dumps({**asdict(self), **(extra or {})}, indent=1) + "\n")
+
+
+def _fit_margin(v: dict, path: Path) -> float:
+    """The routing margin of a decode_costs.json: its ``margin``, else the largest p90 relative error its ``fit``
+    recorded per kernel, else the default."""
+    if "margin" in v:
+        m = v["margin"]
+    else:
+        p90 = [k.get("p90_abs_rel_err") for k in (v.get("fit") or {}).values() if isinstance(k, dict)]
+        p90 = [x for x in p90 if isinstance(x, (int, float))]
+        m = max(p90) if p90 else DecodeCosts.margin
+    if not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+        raise ConfigError(f"{path}: margin must be a number in [0, 1), got {m!r}")
+    return float(m)
 
 
 def tables_dir(gpu_name: str) -> Path | None:
@@ -220,7 +239,7 @@ def _tiled_wave_time(size: np.ndarray, reps: np.ndarray, batch: int, n_occ: int,
 SPLIT_CANDIDATE_WAVES = (0.5, 1.0, 2.0, 4.0)
 SPLIT_CANDIDATE_TOKENS = (64, 128, 256, 512)
 SPLIT_CANDIDATE_UNIFORM = (2, 4, 8, 16, 32)
-SPLIT_MARGIN = 0.05  # predicted gain a map needs over the FlashDecoding split to be chosen instead
+SPLIT_MARGIN = DecodeCosts.margin  # default predicted gain a map needs over the FlashDecoding split (DecodeCosts.margin)
 
 
 def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
@@ -238,8 +257,10 @@ def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, 
     :func:`decode_layer_times`, priced at 3/4 of the context bucket (its contexts lie in (c/2, c]), of no split
     (one pass, no merge kernel), Algorithm 1's split above, and FlashDecoding's own split of every head (the
     static baseline's CTAs, when ``num_sms`` is given), which is kept unless another is predicted
-    :data:`SPLIT_MARGIN` faster: the map never trades the baseline for a gain inside the model's error (measured on
-    the H100: AOT 0.82-0.91x static at batch 1-4 below 8K when the model alone chose). Without ``num_sms`` the
+    ``costs.margin`` faster (the fit's p90 error on this GPU): the map never trades the baseline for a gain inside
+    the model's error (measured on the H100: AOT 0.82-0.91x static at batch 1-4 below 8K when the model alone
+    chose, 0.90-0.95x at batch 1 / 8K with a 5% margin). When the baseline's map is kept, the kernel launches
+    exactly the static split's CTAs (one launch and no merge when it does not split). Without ``num_sms`` the
     search also covers Algorithm 1 at :data:`SPLIT_CANDIDATE_WAVES` x the caps :data:`SPLIT_CANDIDATE_TOKENS` and
     uniform splits :data:`SPLIT_CANDIDATE_UNIFORM`."""
     B = np.asarray(B, dtype=np.float64)
@@ -284,7 +305,7 @@ def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, 
     if static is not None:  # keep the baseline's split unless the model predicts a clear gain (its error ~5%)
         t_static = decode_layer_times(lens, static, heads_per_group, bucket, n_occ, costs, gq=gq, head_dim=head_dim,
                                       dtype_bytes=dtype_bytes)
-        keep = times.min(axis=0) > (1.0 - SPLIT_MARGIN) * t_static
+        keep = times.min(axis=0) > (1.0 - costs.margin) * t_static
         out[keep] = static[keep]
     return out
 

@@ -380,6 +380,9 @@ def _recording(monkeypatch):
     step, layer, chunk order (the batched SnapKV path and the per-chunk dispatch alike)."""
     import tangram.engine.executor as ex
     real, seen = ex.Executor._chunk_scores, []
+    # the one-launch SnapKV path never materialises the scores: record the unfused launches it equals bit for bit
+    # (tests/test_fused_compression.py; test_fused_snapkv_path_equals_the_unfused_one below)
+    monkeypatch.setattr(ex.Executor, "_fused_snapkv", lambda self, st: False)
 
     def rec(self, l, q, k, v, lse, cu, max_chunk, st):
         out = real(self, l, q, k, v, lse, cu, max_chunk, st)
@@ -405,6 +408,36 @@ def _one_session(cfg, model, eng, prof, n, opts=None):
     sched.end_session("s")
     assert leak_check(sched)["ok"]
     return exe, sched, realized
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("method", ["pyramidkv"])
+def test_fused_snapkv_path_equals_the_unfused_one(tiny, monkeypatch, method):
+    """SnapKV/PyramidKV chunks longer than the window compress in one launch (interpreted Triton kernel here):
+    the same kept counts, pages and generated tokens as the unfused score + finish + select launches."""
+    import tangram.engine.executor as ex
+    from tangram.budgets import BudgetProfile
+
+    cfg, model = tiny
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    mu = 0.3 + 0.5 * np.random.default_rng(1).permutation(L * H).reshape(L, H) / (L * H)
+    prof = BudgetProfile(mu, np.zeros_like(mu), 0.0, 0.97, method, cfg.name)
+    calls = []
+    real = ex.snapkv_compress
+    monkeypatch.setattr(ex, "snapkv_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(ex.Executor, "_fused_snapkv", lambda self, st, f=fused: f and
+                            int(st["pf_tokens"].min()) > self.score_params.window)
+        eng = engine("tangram", score_method=method, kv_pool_bytes=400_000)
+        exe, sched, realized = _one_session(cfg, model, eng, prof, 29, ExecutorOptions(score_window=4))
+        runs.append((realized, list(exe.streams["s"])))
+        if fused:
+            assert len(calls) == 2 * L  # chunks of 16 + 13 tokens, every layer
+    assert [r[0] for r in runs[0][0]] == [r[0] for r in runs[1][0]]
+    for (c0, k0), (c1, k1) in zip(runs[0][0], runs[1][0]):
+        assert np.array_equal(np.asarray(k0), np.asarray(k1))
+    assert runs[0][1] == runs[1][1]
 
 
 @pytest.mark.parametrize("method,window", [("ada-snapkv", 32), ("ada-snapkv", 4), ("pyramidkv", 32),

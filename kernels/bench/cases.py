@@ -82,7 +82,9 @@ class DecodeCase:
             for i in range(self.n_calls):
                 dec.launch_decode(self.q[i], self.pool, self.bt[i], self.lens_t[i], self.s2h[i], scheds[i],
                                   page_size=self.P, heads_per_group=self.Hp, out=self.out[i], config=config)
-        plan = time_host(lambda: [table.lookup(l, self.batch, self.ctx) for l in self.layers]) / self.n_calls
+        # the engine's host work: one split-table lookup per step for all L layers (AotSplitTable.step), priced
+        # per layer-call as the static split's one num_splits heuristic per step is
+        plan = time_host(lambda: table.step(self.batch, self.ctx)) / self.Bratio.shape[0]
         return fn, plan, scheds
 
     def runtime(self, n_cta, config):

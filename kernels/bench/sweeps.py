@@ -10,13 +10,17 @@ import torch
 from tangram.budgets import head_groups, synthetic_profile
 from tangram.kernels import fused as fu
 from tangram.kernels import prefill as pre
+from tangram.kernels.scoring import ScoreParams, snapkv_finish_batched
 
 from .tables import ELEM_FIELDS, GEMM_FIELDS, PREFILL_FIELDS, Table
-from .timing import log, time_eager, time_graph, time_graph_calls
+from .timing import kernel_launches, log, time_eager, time_graph, time_graph_calls, time_graphs
 
 
 class Sweeps:
     """Mixin of :class:`tangram.kernels.bench.Bench`."""
+
+    PREFILL_CHUNKS = (512, 1024, 2048, 4096)
+    PREFILL_CACHED = (0, 8192, 32768)
 
     def decode_sweep(self, arena, dtab, tables_cache, models, stop_at):
         """Every (batch, context, rho) point: the static split on the monolithic layout (baseline a) and the AOT
@@ -40,7 +44,9 @@ class Sweeps:
                             log(f"decode sweep: time budget reached after {dtab.n} rows")
                             return
                         for i, Hp in enumerate(mhps):
-                            kern = ["tangram_aot"] + (["runtime_plan"] if Hp == 1 else []) + \
+                            # static on the same ragged layout at every H_p (the like-with-like ratio), the
+                            # monolithic static once per point (baseline a as a system would run it)
+                            kern = ["tangram_aot", "static_split_ragged"] + (["runtime_plan"] if Hp == 1 else []) + \
                                 (["static_split"] if i == 0 else [])
                             try:
                                 self.decode_point(dtab, arena, m, b, c, rho, Hp, 0, kern, tables_cache)
@@ -58,13 +64,16 @@ class Sweeps:
     def prefill_sweep(self, models, stop_at):
         """Per layer-call, one request's chunk: the batched path (chunk attention; SnapKV scores; the fused
         selection + copy), each timed as a CUDA-graph replay of ``n_calls`` layer-calls on distinct inputs, and the
-        per-chunk path it replaced (eager, as the engine issued it). ``select_ms`` is the fused select+copy
-        (``scatter_ms`` 0): the cost model sums score + select + scatter."""
+        per-chunk path it replaced (eager, as the engine issued it). ``select_ms`` is the one-launch SnapKV compression
+        (``snapkv_compress``: score, kvpress's finish, top-k, copy; ``score_ms`` and ``scatter_ms`` 0): the cost model
+        sums score + select + scatter. ``compression_ms`` is what compression adds over the uncompressed prefill of
+        the chunk (attention + fused minus attention + the full-mode KV copy, both one graph each, replays
+        interleaved); ``unfused_ms`` the engine's former launches (scores, kvpress finish, select); ``launches_*``
+        the CUDA kernels each path launches per layer-call (torch.profiler)."""
         from tangram.kernels import compress as cmp
 
         tab = Table(self.out / "prefill_attention.csv", PREFILL_FIELDS, self.common)
-        chunks = [512, 1024, 2048, 4096]
-        cacheds = [0, 8192, 32768]
+        chunks, cacheds = list(self.PREFILL_CHUNKS), list(self.PREFILL_CACHED)
         if self.args.quick:
             chunks, cacheds = [512, 2048], [0, 8192]
         P, n_calls = 16, 8
@@ -110,23 +119,42 @@ class Sweeps:
                            for x in calls]
                     raw = [cmp.snapkv_scores_varlen(x["q"], x["k"], lse[i], cu, c, x["h2s"]) for i, x in enumerate(calls)]
 
+                    W, K = ScoreParams().window, ScoreParams().kernel
+                    CS = cmp.score_width(c)
+                    gq = Hq // H
+                    clen = cu[1:] - cu[:-1]
+
                     def attn():
                         for x in calls:
                             cmp.prefill_attention_varlen(x["q"], x["k"], x["v"], cu, c, x["pool"], x["bt"], x["lens"],
                                                          x["h2s"], page_size=P, heads_per_group=Hp, out=x["out"])
 
-                    def score():
-                        for i, x in enumerate(calls):
-                            cmp.snapkv_scores_varlen(x["q"], x["k"], lse[i], cu, c, x["h2s"], out=raw[i])
+                    def copy():  # uncompressed prefill's KV write (the engine's full mode)
+                        for x in calls:
+                            cmp.select_scatter(None, x["k"], x["v"], cu, c, None, x["pool"], x["bt"], x["lens"],
+                                               x["s2h"], page_size=P, heads_per_group=Hp)
 
-                    def select():
+                    def unfused():  # the engine's SnapKV launches before the fusion: scores, kvpress finish, select
                         for i, x in enumerate(calls):
-                            cmp.select_scatter(raw[i], x["k"], x["v"], cu, c, x["counts"], x["pool"], x["bt"],
-                                               x["lens"], x["s2h"], page_size=P, heads_per_group=Hp)
+                            r = cmp.snapkv_scores_varlen(x["q"], x["k"], lse[i], cu, c, x["h2s"], window=W, width=CS,
+                                                         out=raw[i])
+                            fin = snapkv_finish_batched(r, clen, W, gq, K)
+                            cmp.select_scatter(fin, x["k"], x["v"], cu, c, x["counts"], x["pool"], x["bt"],
+                                               x["lens"], x["s2h"], page_size=P, heads_per_group=Hp, pool_kernel=1)
 
-                    def compress():
-                        score()
-                        select()
+                    def fused():  # the engine's SnapKV compression now: one launch
+                        for i, x in enumerate(calls):
+                            cmp.snapkv_compress(x["q"], x["k"], x["v"], lse[i], cu, c, x["counts"], x["pool"],
+                                                x["bt"], x["lens"], x["s2h"], page_size=P, heads_per_group=Hp,
+                                                window=W, pool_kernel=K, width=CS)
+
+                    def attn_copy():
+                        attn()
+                        copy()
+
+                    def attn_fused():
+                        attn()
+                        fused()
 
                     def select_dyn():
                         for i, x in enumerate(calls):
@@ -134,11 +162,12 @@ class Sweeps:
                             cnt = cmp.global_keep_counts(pooled, cu, x["gk"], x["gk_host"])
                             cmp.select_scatter(pooled, x["k"], x["v"], cu, c, cnt, x["pool"], x["bt"], x["lens"],
                                                x["s2h"], page_size=P, heads_per_group=Hp, pool_kernel=1)
-                    t_att = time_graph(attn)[0] / n_calls
-                    t_sc = time_graph(score)[0] / n_calls
-                    t_sel = time_graph(select)[0] / n_calls
-                    t_comp = time_graph(compress)[0] / n_calls
-                    t_dyn = time_graph(select_dyn)[0] / n_calls
+                    fns = [attn, copy, unfused, fused, attn_copy, attn_fused, select_dyn]
+                    t_att, t_copy, t_unf, t_fus, t_ac, t_af, t_dyn = \
+                        [t[0] / n_calls for t in time_graphs(fns)]  # interleaved replays: like with like
+                    launches = {name: kernel_launches(f) / n_calls for name, f in
+                                (("copy", copy), ("unfused", unfused), ("fused", fused))}
+                    t_comp = t_af - t_ac  # what compression adds over the uncompressed prefill of the chunk
                     x0 = calls[0]
                     lens_t = x0["lens"][0].clone()
 
@@ -152,13 +181,18 @@ class Sweeps:
                     flops = 4 * d * gq * (c * ntok + H * c * c / 2)  # QK^T and PV; causal half of the chunk
                     tab.add(model=m.name, dtype="bfloat16", mode="tangram", heads_per_group=Hp, rho=0.25, chunk=c,
                             cached=cached, cached_tokens=ntok, kept_tokens=int(np.minimum(x0["counts_np"], c).sum()),
-                            attention_ms=t_att, score_ms=t_sc, select_ms=t_sel, scatter_ms=0.0,
-                            total_ms=t_att + t_comp, select_dynamic_ms=t_dyn, attn_tflops=flops / (t_att * 1e-3) / 1e12,
+                            attention_ms=t_att, score_ms=0.0, select_ms=t_fus, scatter_ms=0.0, total_ms=t_af,
+                            select_dynamic_ms=t_dyn, attn_tflops=flops / (t_att * 1e-3) / 1e12,
                             compression_ms=t_comp, compress_vs_attention=t_comp / t_att, per_chunk_path_ms=t_old,
-                            timer="graph")
-                    log(f"prefill {m.name} c={c} cached={cached}: attn {t_att * 1e3:.1f} us, compression "
-                        f"{t_comp * 1e3:.1f} us (score {t_sc * 1e3:.1f} + select/copy {t_sel * 1e3:.1f}) = "
-                        f"{t_comp / t_att:.0%} of attention; per-chunk path (eager) {t_old * 1e3:.1f} us")
+                            timer="graph", copy_ms=t_copy, fused_ms=t_fus, unfused_ms=t_unf,
+                            fused_vs_attention=t_fus / t_att, unfused_vs_attention=t_unf / t_att,
+                            attn_copy_ms=t_ac, launches_copy=launches["copy"], launches_fused=launches["fused"],
+                            launches_unfused=launches["unfused"])
+                    log(f"prefill {m.name} c={c} cached={cached}: attn {t_att * 1e3:.1f} us; compression adds "
+                        f"{t_comp * 1e3:.1f} us over attn+copy ({t_comp / t_att:.0%} of attention); fused kernel "
+                        f"{t_fus * 1e3:.1f} us ({launches['fused']:g} launch) vs unfused {t_unf * 1e3:.1f} us "
+                        f"({launches['unfused']:g} launches), copy {t_copy * 1e3:.1f} us; per-chunk path (eager) "
+                        f"{t_old * 1e3:.1f} us")
                     calls.clear()
         torch.cuda.empty_cache()
 

@@ -27,7 +27,8 @@ DECODE_FIELDS = ["kernel", "impl", "dtype", "model", "batch", "num_q_heads", "nu
 PREFILL_FIELDS = ["model", "dtype", "mode", "heads_per_group", "rho", "chunk", "cached", "cached_tokens",
                   "kept_tokens", "attention_ms", "score_ms", "select_ms", "scatter_ms", "total_ms",
                   "select_dynamic_ms", "attn_tflops", "compression_ms", "compress_vs_attention", "per_chunk_path_ms",
-                  "timer"]
+                  "timer", "copy_ms", "fused_ms", "unfused_ms", "fused_vs_attention", "unfused_vs_attention",
+                  "attn_copy_ms", "launches_copy", "launches_fused", "launches_unfused"]
 GEMM_FIELDS = ["model", "dtype", "op", "tokens", "m", "n", "k", "median_ms", "p20_ms", "p80_ms", "tflops"]
 ELEM_FIELDS = ["model", "dtype", "op", "impl", "tokens", "hidden", "median_ms", "p20_ms", "p80_ms", "gbps"]
 

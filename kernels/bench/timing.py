@@ -60,6 +60,71 @@ def time_graph_calls(fn, calls: int = 20, rep_ms: float = 10.0):
     return med / calls, p20 / calls, p80 / calls
 
 
+def time_graphs(fns, rep_ms: float = 10.0, max_iters: int = 300):
+    """:func:`time_graph` of several functions at once, their replays interleaved (a, b, a, b, ...) so clock or
+    thermal drift between them cannot favour one: the like-with-like timer of a ratio. A list of (median, p20,
+    p80, timer) in the order given; eager do_bench for all if any capture fails."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in fns:
+            fn()
+            fn()
+    torch.cuda.synchronize()
+    graphs = []
+    try:
+        for fn in fns:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            graphs.append(g)
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        torch.cuda.synchronize()
+        log(f"graph capture failed ({type(e).__name__}: {str(e)[:80]}); eager timing")
+        return [time_eager(fn, rep_ms) + ("eager",) for fn in fns]
+    t = time.perf_counter()
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t, 1e-6) * 1e3
+    n = int(min(max_iters, max(5, len(fns) * rep_ms / est)))
+    ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+          for _ in range(n)]
+    for it in range(n):
+        order = range(len(graphs)) if it % 2 == 0 else reversed(range(len(graphs)))
+        for j in order:
+            a, b = ev[it][j]
+            a.record()
+            graphs[j].replay()
+            b.record()
+    torch.cuda.synchronize()
+    out = []
+    for j in range(len(graphs)):
+        ts = np.array([ev[it][j][0].elapsed_time(ev[it][j][1]) for it in range(n)])
+        out.append((float(np.median(ts)), float(np.percentile(ts, 20)), float(np.percentile(ts, 80)), "graph"))
+    del graphs
+    return out
+
+
+def kernel_launches(fn) -> float:
+    """CUDA kernels one call of ``fn`` launches (torch.profiler; memsets and copies count), NaN if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return float(sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA))
+    except Exception as e:  # noqa: BLE001
+        log(f"kernel count unavailable: {e!r}")
+        return float("nan")
+
+
 def time_eager(fn, rep_ms: float = 15.0):
     import triton.testing as tt
 

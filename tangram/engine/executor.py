@@ -63,7 +63,8 @@ from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
     add_rms_norm, global_keep_counts, launch_decode, prefill_attention_varlen, rms_norm, rope_qkv,
-    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_scores_varlen, static_split_decode,
+    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_compress, snapkv_scores_varlen,
+    static_split_decode,
 )
 from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec, snapkv_finish_batched
 from tangram.plan import StepPlan, StepResult
@@ -373,7 +374,7 @@ class Executor:
         st = {"kd": bs, "kp": 0, "ops": _Ops(False, self.cuda), "dec_tables": bufs.tables[:bs],
               "dec_lens": bufs.lens[:bs]}
         if self.partition == "aot":
-            st["sched"] = [self.aot.lookup(l, bs, ctx) for l in range(L)]
+            st["sched"] = self.aot.step(bs, ctx)
         else:
             st["max_len"] = [ctx] * L
         h = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
@@ -527,7 +528,7 @@ class Executor:
         if kd:
             if self.partition == "aot":
                 ctx = int(plan.decode_ctx.max())
-                st["sched"] = [self.aot.lookup(l, kd, ctx) for l in range(L)]
+                st["sched"] = self.aot.step(kd, ctx)
             elif self.partition == "runtime":
                 t = time.perf_counter()
                 st["sched"] = runtime_plan_schedules(plan.decode_head_lens.astype(np.int32),
@@ -652,6 +653,13 @@ class Executor:
             select_scatter(None, k, v, cu, cmax, None, pool, tables, lens, s2h, **kw)
         else:
             realized = st["realized"][:, l]
+            if "keep" in st and self._fused_snapkv(st):  # one launch: score, kvpress's finish, top-k, copy
+                P = self.score_params
+                snapkv_compress(q, k, v, lse, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, window=P.window,
+                                pool_kernel=P.kernel, sm_scale=self.scale, width=score_width(self.engine.chunk_size),
+                                kept=realized, **kw)
+                ops.stop("compression")
+                return
             scores = self._chunk_scores(l, q, k, v, lse, cu, cmax, st)  # finished: select_scatter pools nothing
             if "keep" in st:  # per-head counts: the plan's (static modes), drawn (dynamic, profile) or the uniform scope
                 select_scatter(scores, k, v, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, pool_kernel=1,
@@ -664,6 +672,12 @@ class Executor:
                 select_scatter(scores, k, v, cu, cmax, counts, pool, tables, lens, s2h, pool_kernel=1, kept=realized,
                                **kw)
         ops.stop("compression")
+
+    def _fused_snapkv(self, st: dict) -> bool:
+        """SnapKV/PyramidKV with every chunk longer than the window and per-head counts: the case
+        :func:`tangram.kernels.compress.snapkv_compress` does in one launch (the scores never leave it)."""
+        return method_spec(self.engine.score_method).scorer == "snapkv" and \
+            int(st["pf_tokens"].min()) > self.score_params.window
 
     def _chunk_scores(self, l: int, q, k, v, lse, cu, max_chunk: int, st: dict) -> torch.Tensor:
         """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end) of every new token of the step's

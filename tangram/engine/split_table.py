@@ -31,6 +31,7 @@ class AotSplitTable:
         self.split_maps: dict[tuple[int, int], np.ndarray] = {}
         self._sched: dict[tuple[int, int, int], LayerSchedule] = {}
         self._canon: dict[tuple[int, int], int] = {}
+        self._steps: dict[tuple[int, int], tuple[LayerSchedule, ...]] = {}
         shared: dict[bytes, LayerSchedule] = {}
         self.batch_buckets = [1 << i for i in range(pow2_bucket(max(1, max_batch)).bit_length())]
         lo = decode_context_bucket(min_context)
@@ -48,6 +49,7 @@ class AotSplitTable:
                     if key not in shared:
                         shared[key] = schedule_from_split_map(S[l], heads_per_group, device)
                     self._sched[(b, c, l)] = shared[key]
+                self._steps[(b, c)] = tuple(self._sched[(b, c, l)] for l in range(S.shape[0]))
 
     def _keys(self, batch: int, max_context: int | None) -> tuple[int, int]:
         b = min(pow2_bucket(batch), self.batch_buckets[-1])
@@ -60,6 +62,11 @@ class AotSplitTable:
         tokens (before compression; None = the largest bucket)."""
         b, c = self._keys(batch, max_context)
         return self._sched[(b, c, layer)]
+
+    def step(self, batch: int, max_context: int | None = None) -> tuple[LayerSchedule, ...]:
+        """Every layer's schedule for a step (one lookup per step, as a static split computes its num_splits once
+        per step for all layers): the per-layer host work is an index into this tuple."""
+        return self._steps[self._keys(batch, max_context)]
 
     def canonical_context(self, batch: int, max_context: int | None = None) -> int:
         """The smallest context bucket whose maps equal this one's for the batch: decode graphs are captured

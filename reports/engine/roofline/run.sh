@@ -3,8 +3,9 @@
 # (BEFORE, default ../before) and the simpy wheel (WHL, default ../whl):
 #   GPU checks (tests/gpu), the roofline of the engine after and before (same call, same machine), the kernel
 #   sweeps (decode AOT vs static with the regime choice, compression at 512..4096-token chunks).
-# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, SKIP (space list of: tests after before kbench),
-# FI (FlashInfer wheels for the headline section).
+# Knobs: BATCHES, CONTEXTS, STEPS, SECTIONS (kernel bench), KB_BUDGET, KB_TAIL, SWEEP_*, SKIP (space list of: tests
+# after before kbench kbench_before), FI (FlashInfer wheels for the headline section). The kernel bench runs on both
+# trees (after, then before) and kbench_ab.log puts their acceptance lines side by side.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -40,11 +41,20 @@ if ! skip before; then
    PYTHONPATH=/tmp/site_before:/tmp/site timeout ${ROOF_LIMIT:-240} python3 -m tangram.engine.roofline --out $R/before \
    $ROOF $CFGS 2>&1 | tee $R/roofline_before.log | grep -v "^|")
 fi
+KB_ARGS="--budget-s ${KB_BUDGET:-150} --tail-s ${KB_TAIL:-50} --sections ${SECTIONS:-decode,prefill} \
+  --sweep-batches ${SWEEP_BATCHES:-1,4,16,64,256} --sweep-contexts ${SWEEP_CONTEXTS:-1024,8192,32768,131072} \
+  --sweep-rhos ${SWEEP_RHOS:-0.25,0.5,1.0} --sweep-hps ${SWEEP_HPS:-1,4}"
 if ! skip kbench; then
   PYTHONPATH=/tmp/site_after:/tmp/site timeout $(( ${KB_BUDGET:-150} + 60 )) python3 -m tangram.kernels.bench \
-    --out $R/kbench --budget-s ${KB_BUDGET:-150} --tail-s ${KB_TAIL:-50} --sections ${SECTIONS:-decode,prefill} \
-    --sweep-batches ${SWEEP_BATCHES:-1,4,16,64,256} --sweep-contexts ${SWEEP_CONTEXTS:-1024,8192,32768,131072} \
-    --sweep-rhos ${SWEEP_RHOS:-0.25,0.5,1.0} --sweep-hps ${SWEEP_HPS:-1,4} 2>&1 | tail -40 | tee $R/kbench.log
+    --out $R/kbench $KB_ARGS 2>&1 | tail -40 | tee $R/kbench.log
+fi
+if ! skip kbench_before; then  # the same sweep with the merge-base tree's kernels and bench, same call
+  (cd $BEFORE && PYTHONPATH=/tmp/site_before:/tmp/site timeout $(( ${KB_BUDGET:-150} + 60 )) python3 -m \
+    tangram.kernels.bench --out $R/kbench_before $KB_ARGS 2>&1 | tail -40 > $R/kbench_before.log)
+fi
+if ! skip kbench; then
+  PYTHONPATH=/tmp/site_after:/tmp/site python3 -m tangram.kernels.bench.ab $R/kbench $R/kbench_before \
+    > $R/kbench_ab.log 2>&1; grep -v "^{" $R/kbench_ab.log
 fi
 cat $R/after/roofline.md 2>/dev/null | head -50
 cd $OUT && tar czf roofline_call.tgz r && rm -rf r

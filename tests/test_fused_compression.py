@@ -1,0 +1,116 @@
+"""The one-launch SnapKV compression (score + kvpress finish + per-head top-k + copy) against float64 references
+and against the engine's unfused launches; poisoned outputs; several token blocks per head (last-arriver)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tangram.kernels.compress import (prefill_attention_varlen, select_scatter, snapkv_compress,
+                                      snapkv_scores_varlen)
+from tangram.kernels.reference import is_topk_set, ref_prefill_attention, ref_scatter
+from tangram.kernels.scoring import snapkv_finish_batched
+
+P, D = 4, 16
+
+
+def _case(seed, H=4, gq=2, Hp=2, cs=(30, 70, 12), cached=(0, 9, 30), dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    kp, N = len(cs), sum(cs)
+    G, Hq = H // Hp, H * gq
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32)
+    W = 32
+    pool = torch.randn(kp * G * W + 4, 2, Hp, P, D, generator=g).to(dtype)
+    tables = torch.randperm(pool.shape[0], generator=g)[:kp * G * W].view(kp, G, W).to(torch.int32)
+    s2h = torch.randperm(H, generator=g).to(torch.int32)
+    lens = torch.tensor([[max(0, c - 2 * s) for s in range(H)] for c in cached], dtype=torch.int32)
+    qkv = torch.randn(N, (Hq + 2 * H) * D, generator=g).to(dtype)
+    q = qkv[:, :Hq * D].view(N, Hq, D)
+    k = qkv[:, Hq * D:(Hq + H) * D].view(N, H, D)
+    v = qkv[:, (Hq + H) * D:].view(N, H, D)
+    return cu, pool, tables, s2h, lens, q, k, v
+
+
+def _finished_ref(probs, lens, s2h, window, gq, kernel):
+    """kvpress's SnapKV finish in float64 [H, c] (slot order): mean window probability over the w * gq rows,
+    average pooling (zero padded) over the tokens before the window, the window +inf."""
+    rows = []
+    for slot in range(len(s2h)):
+        p = probs[int(s2h[slot])]
+        n, c = int(lens[slot]), p.shape[1]
+        w = min(window, c)
+        s = p[:, c - w:, n:].sum(dim=(0, 1)) / (w * gq)
+        s[c - w:] = 0.0
+        s = F.avg_pool1d(s[None, None], kernel, stride=1, padding=kernel // 2)[0, 0]
+        s[c - w:] = float("inf")
+        rows.append(s)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_t", [16, 64])
+def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_t):
+    cu, pool, tables, s2h, lens, q, k, v = _case(seed)
+    kp, H = lens.shape
+    gq, window, kernel = q.shape[1] // H, 8, 5
+    h2s = torch.argsort(s2h.long()).to(torch.int32)
+    cs = (cu[1:] - cu[:-1]).tolist()
+    _, lse = prefill_attention_varlen(q, k, v, cu, max(cs), pool, tables, lens, h2s, page_size=P, heads_per_group=2)
+    # every regime of a head: nothing, a few, all but one, all, more than the chunk
+    counts = torch.tensor([[[0, 3, c - 1, c][s % 4] if i != 2 else [c + 5, 1, 0, 7][s] for s in range(H)]
+                           for i, c in enumerate(cs)]).to(torch.int32)
+    fused = pool.clone()
+    kept = torch.full((kp, H), -7, dtype=torch.int32)
+    snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P, heads_per_group=2,
+                    window=window, pool_kernel=kernel, kept=kept, block_t=block_t, block_c=block_t)
+    assert torch.equal(kept, torch.minimum(counts, torch.tensor(cs, dtype=torch.int32)[:, None]))
+    # the engine's unfused launches give the same pages bit for bit
+    raw = snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
+    fin = snapkv_finish_batched(raw, cu[1:] - cu[:-1], window, gq, kernel)
+    unfused = pool.clone()
+    select_scatter(fin, k, v, cu, max(cs), counts, unfused, tables, lens, s2h, page_size=P, heads_per_group=2,
+                   pool_kernel=1)
+    assert torch.equal(fused, unfused)
+    # and the float64 truth: a top-k set of the finished scores, copied where the reference scatter puts it
+    for i in range(kp):
+        a, b = int(cu[i]), int(cu[i + 1])
+        _, probs = ref_prefill_attention(q[a:b], k[a:b], v[a:b], pool, tables[i], lens[i], s2h, page_size=P,
+                                         heads_per_group=2)
+        s = _finished_ref(probs, lens[i], s2h, window, gq, kernel).numpy()
+        keep = np.zeros((H, b - a), dtype=bool)
+        for slot in range(H):
+            n = int(kept[i, slot])
+            keep[slot, np.sort(np.argsort(-s[slot], kind="stable")[:n])] = True
+        assert is_topk_set(s, keep, kept[i].numpy())
+        rp, _ = ref_scatter(pool, tables[i], lens[i], s2h, k[a:b], v[a:b], keep, page_size=P, heads_per_group=2)
+        pages = tables[i].long().flatten()
+        assert torch.equal(fused[pages], rp[pages])
+
+
+def test_fused_compression_ties_and_counters_reset():
+    """Equal keys (q = 0: uniform probabilities) go to the earliest tokens across token blocks, and the arrival
+    counters are back at zero after the launch, so a second launch selects the same."""
+    from tangram.kernels import compress as cmp
+
+    cu, pool, tables, s2h, lens, q, k, v = _case(3, cs=(50,), cached=(5,))
+    q = torch.zeros_like(q)
+    H = lens.shape[1]
+    h2s = torch.argsort(s2h.long()).to(torch.int32)
+    _, lse = prefill_attention_varlen(q, k, v, cu, 50, pool, tables, lens, h2s, page_size=P, heads_per_group=2)
+    counts = torch.tensor([[45, 44, 20, 43]], dtype=torch.int32)
+    outs = []
+    for _ in range(2):
+        p2 = pool.clone()
+        snapkv_compress(q, k, v, lse, cu, 50, counts, p2, tables, lens, s2h, page_size=P, heads_per_group=2,
+                        window=8, pool_kernel=1, block_t=16, block_c=32)
+        outs.append(p2)
+        assert int(cmp._counters(q.device, H).abs().sum()) == 0
+    assert torch.equal(outs[0], outs[1])
+    keep = np.zeros((H, 50), dtype=bool)
+    keep[:, 42:] = True  # the window (+inf)
+    for slot in range(H):
+        keep[slot, :int(counts[0, slot]) - 8] = True  # then the earliest of the equal scores
+    rp, _ = ref_scatter(pool, tables[0], lens[0], s2h, k, v, keep, page_size=P, heads_per_group=2)
+    pages = tables[0].long().flatten()
+    assert torch.equal(outs[0][pages], rp[pages])
