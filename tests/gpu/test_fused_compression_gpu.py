@@ -1,0 +1,61 @@
+"""The one-launch SnapKV compression on a GPU (marker ``gpu``): its last-arriver selection uses an atomic counter
+and cross-program loads whose memory ordering the CPU interpreter cannot exercise, so here it must give the
+engine's unfused launches' pages bit for bit, on the model shapes, many times over (a race shows as a mismatch),
+with the counters back at zero after every launch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _case(rng, H, gq, Hp, d, P, cs, cached, dtype):
+    kp, N, G = len(cs), sum(cs), H // Hp
+    W = -(-(max(cached) + max(cs)) // P) + 1
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32, device="cuda")
+    pool = torch.randn(kp * G * W + 4, 2, Hp, P, d, device="cuda").to(dtype)
+    tables = torch.randperm(pool.shape[0], device="cuda")[:kp * G * W].view(kp, G, W).to(torch.int32)
+    s2h = torch.randperm(H, device="cuda").to(torch.int32)
+    lens = torch.tensor([[int(x) for x in rng.integers(max(0, c - 64), c + 1, H)] for c in cached],
+                        dtype=torch.int32, device="cuda")
+    qkv = torch.randn(N, (H * gq + 2 * H) * d, device="cuda").to(dtype)
+    q = qkv[:, :H * gq * d].view(N, H * gq, d)
+    k = qkv[:, H * gq * d:(H * gq + H) * d].view(N, H, d)
+    v = qkv[:, (H * gq + H) * d:].view(N, H, d)
+    return cu, pool, tables, s2h, lens, q, k, v
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 1, 128), (8, 4, 4, 128), (3, 3, 1, 64), (3, 3, 3, 64)])  # Llama, SmolLM2
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype):
+    from tangram.kernels import compress as cmp
+    from tangram.kernels.scoring import snapkv_finish_batched
+
+    H, gq, Hp, d = shape
+    P, window, kernel = 16, 32, 7
+    rng = np.random.default_rng(int.from_bytes(__import__("os").urandom(4), "little"))
+    for trial in range(6):
+        cs = [int(x) for x in rng.choice([512, 513, 1000, 2048, 77], size=int(rng.integers(1, 4)))]
+        cs = [max(c, window + 1) for c in cs]
+        cached = [int(x) for x in rng.choice([0, 100, 4096], size=len(cs))]
+        cu, pool, tables, s2h, lens, q, k, v = _case(rng, H, gq, Hp, d, P, cs, cached, dtype)
+        h2s = torch.argsort(s2h.long()).to(torch.int32)
+        c_t = torch.tensor(cs, dtype=torch.int32, device="cuda")
+        _, lse = cmp.prefill_attention_varlen(q, k, v, cu, max(cs), pool, tables, lens, h2s, page_size=P,
+                                              heads_per_group=Hp)
+        counts = (torch.rand(len(cs), H, device="cuda") * (c_t[:, None] + 8)).to(torch.int32)
+        fused, unfused = pool.clone(), pool.clone()
+        kept = torch.full((len(cs), H), -7, dtype=torch.int32, device="cuda")
+        cmp.snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P,
+                            heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept)
+        raw = cmp.snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
+        fin = snapkv_finish_batched(raw, cu[1:] - cu[:-1], window, gq, kernel)
+        cmp.select_scatter(fin, k, v, cu, max(cs), counts, unfused, tables, lens, s2h, page_size=P,
+                           heads_per_group=Hp, pool_kernel=1)
+        torch.cuda.synchronize()
+        assert torch.equal(kept, torch.minimum(counts, c_t[:, None])), trial
+        assert torch.equal(fused, unfused), (trial, cs)
+        assert int(cmp._counters(q.device, H).abs().sum()) == 0
