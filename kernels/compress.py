@@ -335,7 +335,7 @@ def _snapkv_compress_kernel(
     prefix = tl.zeros([], tl.int64)
     bins = tl.arange(0, 256)
     for r in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * r
+        shift = 24 - 8 * r
         digit = ((ukey >> shift) & 255).to(tl.int32)
         if r == 0:
             match = valid
@@ -361,16 +361,18 @@ def _snapkv_compress_kernel(
                                    -1), mask=valid)
     tl.debug_barrier()  # the destinations are visible to every thread of the program
     offs_c = tl.arange(0, BLOCK_C)
-    for t0 in range(0, c, BLOCK_C):
-        offs_t = t0 + offs_c
-        vt = offs_t < c
-        dst = tl.load(drow + offs_t, mask=vt, other=-1)
-        rows = (row0 + offs_t).to(tl.int64)
-        kk = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=vt[:, None], other=0.0)
-        vv = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=vt[:, None], other=0.0)
-        okt = dst >= 0
-        tl.store(KV + dst[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
-        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
+    for t0 in range(0, c, BLOCK_C):  # names of its own: a name bound before a loop is loop-carried (one shape)
+        offs_u = t0 + offs_c
+        vt = offs_u < c
+        dst_u = tl.load(drow + offs_u, mask=vt, other=-1)
+        rows_u = (row0 + offs_u).to(tl.int64)
+        kk = tl.load(KN + rows_u[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=vt[:, None],
+                     other=0.0)
+        vv = tl.load(VN + rows_u[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=vt[:, None],
+                     other=0.0)
+        okt = dst_u >= 0
+        tl.store(KV + dst_u[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
+        tl.store(KV + stride_kvkv + dst_u[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
