@@ -535,3 +535,21 @@ def test_engine_rejects_a_method_it_cannot_run(tiny):
         engine("dynamic", score_method="pyramidkv", budget_scope="cross-layer")
     with pytest.raises(ConfigError, match="unknown budget scope"):
         engine("dynamic", budget_scope="global")
+
+
+def test_fused_compression_is_chosen_per_engine_by_its_chunk_size():
+    """One launch for engines whose chunks are short (where it measured faster on the H100), the unfused launches
+    for long chunks; never for chunks inside the observation window or for other scorers."""
+    from types import SimpleNamespace
+
+    import tangram.engine.executor as ex
+    from tangram.kernels.scoring import ScoreParams
+
+    def choose(chunk_size, method="ada-snapkv", shortest=100):
+        fake = SimpleNamespace(engine=SimpleNamespace(score_method=method, chunk_size=chunk_size),
+                               score_params=ScoreParams(window=32))
+        return ex.Executor._fused_snapkv(fake, {"pf_tokens": np.array([shortest, 500])})
+
+    assert choose(512) and choose(ex.FUSED_COMPRESS_MAX_CHUNK)
+    assert not choose(ex.FUSED_COMPRESS_MAX_CHUNK + 1) and not choose(4096)
+    assert not choose(512, shortest=32) and not choose(512, method="keydiff")

@@ -164,6 +164,13 @@ class TokenSource:
         return sampled
 
 
+
+# Chunks up to this many tokens compress in one launch (snapkv_compress); longer ones by the unfused launches. H100,
+# 2026-11-24 (reports/engine/roofline, kbench prefill): Llama-3.1-8B fused vs unfused 27 vs 45 us at 512-token
+# chunks, 45 vs 47 us at 1024, 87 vs 50 us at 2048 and 167 vs 68 us at 4096 (one program per head selects and copies
+# its kept tokens: a serial tail that grows with the chunk).
+FUSED_COMPRESS_MAX_CHUNK = 1024
+
 @dataclass
 class ExecutorOptions:
     sampling: SamplingParams = SamplingParams()
@@ -674,10 +681,12 @@ class Executor:
         ops.stop("compression")
 
     def _fused_snapkv(self, st: dict) -> bool:
-        """SnapKV/PyramidKV with every chunk longer than the window and per-head counts: the case
-        :func:`tangram.kernels.compress.snapkv_compress` does in one launch (the scores never leave it)."""
+        """SnapKV/PyramidKV with every chunk longer than the window and per-head counts, in an engine whose chunks
+        are at most FUSED_COMPRESS_MAX_CHUNK tokens: the case :func:`tangram.kernels.compress.snapkv_compress`
+        does in one launch (the scores never leave it). Decided per engine, not per step, so one engine compiles
+        one path in its warm-up."""
         return method_spec(self.engine.score_method).scorer == "snapkv" and \
-            int(st["pf_tokens"].min()) > self.score_params.window
+            self.engine.chunk_size <= FUSED_COMPRESS_MAX_CHUNK and int(st["pf_tokens"].min()) > self.score_params.window
 
     def _chunk_scores(self, l: int, q, k, v, lse, cu, max_chunk: int, st: dict) -> torch.Tensor:
         """Importance ``[kp, H, CS]`` (fp32, slot order, 0 past a chunk's end) of every new token of the step's

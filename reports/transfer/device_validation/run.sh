@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 echo "import sys; sys.path.insert(0, '$PWD')
 import tangram; tangram.__path__.append('$PWD')" > /tmp/site/sitecustomize.py
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee $OUT/device.txt
+nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,clocks.max.sm,power.limit --format=csv | tee $OUT/device.txt
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a $OUT/device.txt
 C="reports/validation/configs/*.json reports/tuning/study/best_config.json"
 timeout ${VLIMIT:-500} python3 -m tangram.tuning.validate $C --trace reports/transfer/validation_trace.jsonl \

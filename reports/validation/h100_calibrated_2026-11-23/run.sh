@@ -4,7 +4,8 @@
 #     (seed 1), then tangram-validate on the validation trace (seed 0) with it
 # PHASE=calibrate or PHASE=validate runs one half (PHASE=ops: per-operator timing of the CCONFIGS on the
 # calibration trace, nothing fitted); CCONFIGS: config files to calibrate on (default: modes tangram,
-# full, dynamic at H_p 4); OPS= (empty) times every operator in the engine runs. VTRACE: tangram-trace gen-sessions options of both traces (the seed is added:
+# full, dynamic at H_p 4); FIT_ARGS: extra tangram-fit-engine options (--probe: record this machine's probe as the
+# tables' reference_probe.json); OPS= (empty) times every operator in the engine runs. VTRACE: tangram-trace gen-sessions options of both traces (the seed is added:
 # 1 for calibration, 0 for validation); POOL: the KV pool cap in GiB. The default recipe (6 sessions, first turns
 # ~6K tokens, 1.3 GiB) binds memory for every mode, so the configs' predicted throughputs differ by 7-48% instead
 # of the <1% of the first H100 validation's recipe (VTRACE="--sessions 4 --first 8000 --out-tokens 64" POOL=2.5), whose
@@ -18,7 +19,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 echo "import sys; sys.path.insert(0, '$PWD')
 import tangram; tangram.__path__.append('$PWD')" > /tmp/site/sitecustomize.py
 python3 -c "import tangram.sim, tangram.kernels, torch, triton, simpy; print('imports ok', torch.__version__, triton.__version__, torch.cuda.get_device_name())" || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/device.txt
+nvidia-smi --query-gpu=name,uuid,memory.total,driver_version,clocks.max.sm --format=csv | tee $OUT/device.txt
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a $OUT/device.txt
 if [ "${PHASE:-both}" = ops ]; then
   # per-operator seconds (CUDA events, eager) next to the cost model's terms, per step of the calibration trace
@@ -36,8 +37,9 @@ if [ "${PHASE:-both}" != validate ]; then
   if [ -n "$CCONFIGS" ]; then RUNS="--configs $CCONFIGS"
   else RUNS="--modes tangram,full,dynamic --model llama-3.1-8b --rho 0.25 --alpha 2 --hp 4"; fi
   timeout ${CLIMIT:-500} python3 -m tangram.sim.fit_engine /tmp/ctrace.jsonl $RUNS --weights random \
-    --kv-pool-gib $POOL --steps-csv $OUT/engine_steps.csv 2>&1 | grep -v "it/s\]" | tee $OUT/calibrate.log
+    --kv-pool-gib $POOL --steps-csv $OUT/engine_steps.csv $FIT_ARGS 2>&1 | grep -v "it/s\]" | tee $OUT/calibrate.log
   cp sim/tables/h100/engine_overhead.json $OUT/
+  [ -f sim/tables/h100/reference_probe.json ] && cp sim/tables/h100/reference_probe.json $OUT/
   [ "${PHASE:-both}" = calibrate ] && exit 0
 fi
 python3 -m tangram.traces.cli gen-sessions -o /tmp/vtrace.jsonl $VTRACE --seed 0
