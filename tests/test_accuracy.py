@@ -293,6 +293,59 @@ def test_kvzip_modes_in_the_batched_evaluation_equal_a_one_sequence_reference(sm
     assert r.kl[2] > r.kl[1] > 0  # keeping less moves the distribution further
 
 
+def _many_modes(L, H, scorers, seed=0):
+    from tangram.profiles.evaluate import Mode
+    rng = np.random.default_rng(seed)
+    modes = [Mode("full")]
+    for s in scorers:
+        B = rng.uniform(0.2, 1.0, (L, H))
+        modes += [Mode("uniform", s, "uniform", 0.5), Mode("dynamic", s, "per-layer", 0.5),
+                  Mode("dynamic", s, "cross-layer", 0.25), Mode("uniform", s, "uniform", 0.999),
+                  Mode("tangram", s, "per-layer", 0.5, alpha=2.0, budgets=B),
+                  Mode("tangram", s, "per-layer", 1.0, alpha=0.0, budgets=np.ones((L, H))),  # keeps everything
+                  Mode("dynamic", s, "per-layer", 0.5, match=B, match_label="tangram a=2"),
+                  Mode("uniform", s, "uniform", 0.5, match=B, match_label="tangram a=2 per-layer")]
+    return modes
+
+
+def test_shared_state_evaluation_equals_one_row_per_mode(smollm2):
+    """The report's evaluation shares a row between modes whose selections are equal and scores each chunk once
+    per state; the reference gives every mode its own row. Same verdicts, first wrong positions, kept shares
+    and KL on a multi-turn sample split into several chunks (rows split at later chunks), a one-chunk sample
+    and a KL passage, with scorers whose selections coincide (pyramidkv's scores are SnapKV's) and KVzip."""
+    from accuracy_reference import evaluate_sample_per_mode
+    from tangram.profiles.evaluate import answer_ids, build_task_sample, evaluate_sample, prompt_ids
+    from tangram.profiles.evaluate import word_continuation_mask
+    model, tok = smollm2
+    L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+    modes = _many_modes(L, H, ["ada-snapkv", "pyramidkv", "kvzip"])
+    cont = word_continuation_mask(tok, model.cfg.vocab)
+    dec = lambda i: tok.decode(i, skip_special=True)  # noqa: E731
+    cases = []
+    s = build_task_sample(tok, "mt_niah", "heldout", 1, 160, 2)
+    cases.append(([(prompt_ids(tok, s, t), answer_ids(tok, s, t)) for t in range(2)], None, 48))
+    s = build_task_sample(tok, "passkey", "heldout", 0, 140, 2)
+    cases.append(([(prompt_ids(tok, s, 0), answer_ids(tok, s, 0))], None, 2048))
+    t = make_text("heldout", 2, 100, 5, encode=tok.encode, decode=dec)
+    cases.append(([(t.meta["context_ids"], None)], t.meta["continuation_ids"], 40))
+    for turns, cont_ids, chunk in cases:
+        kw = dict(chunk=chunk, eos=tok.eos_id, continues=cont, continuation=cont_ids, tokenizer=tok,
+                  free_check=(8, dec) if cont_ids is None else None)
+        ref = evaluate_sample_per_mode(model, modes, turns, batch=5, **kw)
+        new = evaluate_sample(model, modes, turns, batch=3, **kw)
+        np.testing.assert_array_equal(new.correct, ref.correct)
+        np.testing.assert_array_equal(new.first_wrong, ref.first_wrong)
+        np.testing.assert_allclose(new.kept, ref.kept, rtol=0, atol=1e-12)
+        assert new.free == ref.free
+        if cont_ids is not None:
+            np.testing.assert_allclose(new.kl, ref.kl, rtol=1e-4, atol=1e-6)
+            np.testing.assert_array_equal(new.top1, ref.top1)
+            assert len(set(np.round(new.kl, 6))) > 5  # the modes really differ
+        else:
+            assert 0 < new.correct.sum() < new.correct.size or new.first_wrong.max() >= 0
+    assert len(cases[0][0]) == 2
+
+
 def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
     from tangram.profiles.accuracy_report import main
     out = tmp_path / "acc"
