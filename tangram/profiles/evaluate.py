@@ -603,7 +603,7 @@ def _run_job(job: tuple) -> dict:
                             tokenizer=tok)
         out = {"kind": kind, "task": task, "index": index, "length": length, "prompt_tokens": len(turns[0][0]),
                "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
-               "seconds": r.seconds, "depth": s.meta.get("depth", s.meta.get("depths"))}
+               "seconds": r.seconds, "split": split, "depth": s.meta.get("depth", s.meta.get("depths"))}
         if kind == "task" and _W["task_model"] is not model and index < o.get("dtype_check", 0):
             f = evaluate_sample(model, modes[:1], turns, chunk=o["chunk"], eos=tok.eos_id, continues=_W["continues"])
             out["full_float32"] = f.correct[0]
