@@ -332,6 +332,19 @@ class _SharedEval:
                     self.kept_tok[i] += float(mk.sum()) / (L * H)
         return sorted(out, key=lambda c: (self.full_idx not in c[2], self._scorers_of(c[2]), c[2][0]))
 
+    def batches(self, children: list) -> list[list]:
+        """Children in batches of at most ``batch`` rows, never mixing rows that use different scorers (a batch's
+        later chunks are scored, and KVzip's repeat forward run, for every row of it)."""
+        out, a = [], 0
+        while a < len(children):
+            key = self._scorers_of(children[a][2])
+            b = a
+            while b < len(children) and b - a < self.batch and self._scorers_of(children[b][2]) == key:
+                b += 1
+            out.append(children[a:b])
+            a = b
+        return out
+
     def _scorers_of(self, members: list[int]) -> tuple[str, ...]:
         return tuple(sorted({self.modes[i].scorer for i in members if self.modes[i].scorer}))
 
@@ -378,8 +391,7 @@ class _SharedEval:
                     for l in range(self.L):
                         br.evict(l, start, mk[l])
                     continue
-                for a in range(0, len(children), self.batch):
-                    part = children[a:a + self.batch]
+                for part in self.batches(children):
                     sub = self.materialize(br, rows.lg, part, start)
                     self.descend(sub, e + 1, {s: sc.clone() for s, sc in scorers.items()})
                 return
@@ -468,8 +480,7 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
     children = ev.split(root, scores0, len(c0), True)
     # the full cache's row alone first: its outputs are the KL reference and its free decoding runs on it
     parts = [children[:1]] if children and full_idx in children[0][2] else []
-    rest = children[len(parts):]
-    parts += [rest[a:a + batch] for a in range(0, len(rest), batch)]
+    parts += ev.batches(children[len(parts):])
     for part in parts:
         sub = ev.materialize(base, logits0, part, 0)
         ev.descend(sub, 0, {s: sc.clone() for s, sc in base_sc.items()})
