@@ -210,9 +210,7 @@ def _build_niah(rng, split, n_turns, n_needles: int, n_questions: int):
     values = [_number(rng, 7) for _ in keys]
     depths = [float(d) for d in rng.uniform(size=n_needles)]
     asked = [int(i) for i in rng.choice(n_needles, size=n_questions, replace=False)]
-    import os
-    tmpl = os.environ.get("NIAH_NEEDLE", "One of the special magic numbers for {k} is: {v}.")
-    needles = [(d, tmpl.format(k=k, v=v)) for d, k, v in zip(depths, keys, values)]
+    needles = [(d, f"One of the special magic numbers for {k} is: {v}.") for d, k, v in zip(depths, keys, values)]
     qs = tuple(_niah_question(keys[i], values[i]) for i in asked)
 
     def build(n):
@@ -244,8 +242,7 @@ def _builder(task: str, rng, split: str, n_turns: int):
     if task == "niah_single":
         return _build_niah(rng, split, n_turns, 1, 1)
     if task == "niah_multikey":
-        import os
-        return _build_niah(rng, split, n_turns, int(os.environ.get("NIAH_K", 4)), 1)
+        return _build_niah(rng, split, n_turns, 4, 1)
     if task == "vt":
         return _build_vt(rng, split, n_turns)
     if task == "mt_niah":
