@@ -113,6 +113,31 @@ def test_bootstrap_intervals():
     assert stats.verdict(0.01, 0.2) == "higher" and stats.verdict(-0.2, 0.1) == "no significant difference"
 
 
+def _wilson_low(k, n, z=1.959963984540054):
+    p = k / n
+    den = 1 + z * z / n
+    return (p + z * z / (2 * n)) / den - z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+
+
+def test_length_choice_is_the_longest_whose_lower_bound_clears_the_floor():
+    from tangram.profiles.accuracy_report import choose_length
+    v = lambda k, n: [True] * k + [False] * (n - k)  # noqa: E731
+    # 95/100 -> lower bound 0.888; 85/100 -> 0.767 (passes on the point estimate, not on the bound); 17/20 -> 0.640
+    assert _wilson_low(95, 100) > 0.8 > _wilson_low(85, 100) and _wilson_low(17, 20) < 0.8
+    pts = {256: [v(20, 20)], 512: [v(95, 100)], 768: [v(17, 20)], 1024: [v(85, 100)]}
+    c = choose_length(pts, 0.8)
+    assert c["length"] == 512 and c["passed"] and c["lower_bound"] == pytest.approx(_wilson_low(95, 100), abs=1e-9)
+    assert c["bounds"][1024] == pytest.approx(_wilson_low(85, 100), abs=1e-9)
+    # every reported outcome must clear it (mt_niah: first turn and follow-up)
+    two = {512: [v(99, 100), v(84, 100)], 256: [v(97, 100), v(96, 100)]}
+    assert choose_length(two, 0.8)["length"] == 256
+    # nothing clears it: the highest lower bound, flagged
+    bad = {512: [v(70, 100)], 1024: [v(78, 100)]}
+    c = choose_length(bad, 0.8)
+    assert c["length"] == 1024 and not c["passed"]
+    assert choose_length(bad, 0.5)["length"] == 1024 and choose_length(bad, 0.5)["passed"]
+
+
 # ------------------------------------------------------------------ accuracy tables
 
 
@@ -293,21 +318,80 @@ def test_kvzip_modes_in_the_batched_evaluation_equal_a_one_sequence_reference(sm
     assert r.kl[2] > r.kl[1] > 0  # keeping less moves the distribution further
 
 
+def _many_modes(L, H, scorers, seed=0):
+    from tangram.profiles.evaluate import Mode
+    rng = np.random.default_rng(seed)
+    modes = [Mode("full")]
+    for s in scorers:
+        B = rng.uniform(0.2, 1.0, (L, H))
+        modes += [Mode("uniform", s, "uniform", 0.5), Mode("dynamic", s, "per-layer", 0.5),
+                  Mode("dynamic", s, "cross-layer", 0.25), Mode("uniform", s, "uniform", 0.999),
+                  Mode("tangram", s, "per-layer", 0.5, alpha=2.0, budgets=B),
+                  Mode("tangram", s, "per-layer", 1.0, alpha=0.0, budgets=np.ones((L, H))),  # keeps everything
+                  Mode("dynamic", s, "per-layer", 0.5, match=B, match_label="tangram a=2"),
+                  Mode("uniform", s, "uniform", 0.5, match=B, match_label="tangram a=2 per-layer")]
+    return modes
+
+
+def test_shared_state_evaluation_equals_one_row_per_mode(smollm2):
+    """The report's evaluation shares a row between modes whose selections are equal and scores each chunk once
+    per state; the reference gives every mode its own row. Same verdicts, first wrong positions, kept shares
+    and KL on a multi-turn sample split into several chunks (rows split at later chunks), a one-chunk sample
+    and a KL passage, with scorers whose selections coincide (pyramidkv's scores are SnapKV's) and KVzip."""
+    from accuracy_reference import evaluate_sample_per_mode
+    from tangram.profiles.evaluate import answer_ids, build_task_sample, evaluate_sample, prompt_ids
+    from tangram.profiles.evaluate import word_continuation_mask
+    model, tok = smollm2
+    L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+    modes = _many_modes(L, H, ["ada-snapkv", "pyramidkv", "kvzip"])
+    cont = word_continuation_mask(tok, model.cfg.vocab)
+    dec = lambda i: tok.decode(i, skip_special=True)  # noqa: E731
+    cases = []
+    s = build_task_sample(tok, "mt_niah", "heldout", 1, 160, 2)
+    cases.append(([(prompt_ids(tok, s, t), answer_ids(tok, s, t)) for t in range(2)], None, 48))
+    s = build_task_sample(tok, "passkey", "heldout", 0, 140, 2)
+    cases.append(([(prompt_ids(tok, s, 0), answer_ids(tok, s, 0))], None, 2048))
+    t = make_text("heldout", 2, 100, 5, encode=tok.encode, decode=dec)
+    cases.append(([(t.meta["context_ids"], None)], t.meta["continuation_ids"], 40))
+    for turns, cont_ids, chunk in cases:
+        kw = dict(chunk=chunk, eos=tok.eos_id, continues=cont, continuation=cont_ids, tokenizer=tok,
+                  free_check=(8, dec) if cont_ids is None else None)
+        ref = evaluate_sample_per_mode(model, modes, turns, batch=5, **kw)
+        new = evaluate_sample(model, modes, turns, batch=3, **kw)
+        np.testing.assert_array_equal(new.correct, ref.correct)
+        np.testing.assert_array_equal(new.first_wrong, ref.first_wrong)
+        np.testing.assert_allclose(new.kept, ref.kept, rtol=0, atol=1e-12)
+        assert new.free == ref.free
+        if cont_ids is not None:
+            np.testing.assert_allclose(new.kl, ref.kl, rtol=1e-4, atol=1e-6)
+            np.testing.assert_array_equal(new.top1, ref.top1)
+            assert len(set(np.round(new.kl, 6))) > 5  # the modes really differ
+        else:
+            assert 0 < new.correct.sum() < new.correct.size or new.first_wrong.max() >= 0
+    assert len(cases[0][0]) == 2
+
+
 def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
     from tangram.profiles.accuracy_report import main
     out = tmp_path / "acc"
-    argv = ["--samples", "1", "--tasks", "mt_niah=200", "--kl-samples", "1", "--kl-context", "64",
+    argv = ["--samples", "1", "--tasks", "mt_niah=200,passkey", "--kl-samples", "1", "--kl-context", "64",
             "--kl-continuation", "4", "--curve", "200", "--curve-samples", "1", "--scorers", "ada-snapkv",
             "--scopes", "per-layer,uniform", "--rhos", "0.5", "--calibrate-missing", "0", "--workers", "1",
             "--dtype", "float32", "--batch", "8", "--no-progress", "-o", str(out)]
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
-    assert len((out / "partial.jsonl").read_text().splitlines()) == 1 + 1 + 1  # fingerprint, 1 task, 1 KL passage
-    assert len((out / "partial_curve.jsonl").read_text().splitlines()) == 1 + 1  # fingerprint, 1 curve sample
+    assert len((out / "partial.jsonl").read_text().splitlines()) == 1 + 2 + 1  # fingerprint, 2 tasks, 1 KL passage
+    assert len((out / "partial_curve.jsonl").read_text().splitlines()) == 1 + 2  # fingerprint, 2 curve samples
     with pytest.raises(SystemExit):  # a rerun of the same configuration resumes: nothing is recomputed
         main(argv)
-    assert json.loads((out / "results.json").read_text())["results"]["timings"]["resumed_samples"] == 3
+    d = json.loads((out / "results.json").read_text())
+    assert d["results"]["timings"]["resumed_samples"] == 5
+    # passkey had no length: the curve chose it (one sample cannot clear 80%, so the best point, flagged)
+    assert d["meta"]["tasks"] == {"mt_niah": 200, "passkey": 200}
+    assert d["results"]["lengths"]["passkey"]["passed"] is False
+    assert all(r["split"] == "calib" for r in [json.loads(x)["result"] for x in
+                                                (out / "partial_curve.jsonl").read_text().splitlines()[1:]])
     t = AccuracyTable.load(out / "accuracy_smollm2-135m.json")
     assert t.provenance["command"].startswith("tangram-accuracy") and t.full() is not None
     assert {"tangram", "dynamic", "uniform", "full"} <= {x["policy"] for x in t.rows}

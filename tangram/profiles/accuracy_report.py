@@ -25,20 +25,63 @@ from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import SCOPES, Mode
 
-# Context length (first-turn prompt tokens) per task: the longest of the measured curve's lengths at which the
-# full cache answers >= 80% (reports/fidelity/README.md shows the curve these come from).
-DEFAULT_LENGTHS = {"passkey": 512, "niah_single": 768, "niah_multikey": 512, "vt": 1024, "mt_niah": 512}
 HEADLINE_TURN = 1  # mt_niah's headline is its first follow-up turn (index 1): the question-agnostic case
+LENGTH_FLOOR = 0.8  # a task's length is the longest whose full-cache accuracy provably clears this (choose_length)
 
 
-def _pairs(text: str, what: str) -> dict[str, int]:
-    out = {}
+def _pairs(text: str, what: str) -> dict[str, int | None]:
+    """TASK[=TOKENS] list; a task without =TOKENS gets its length from the curve (None)."""
+    from tangram.profiles.tasks import TASKS
+    if text.strip() == "all":
+        return {t: None for t in TASKS}
+    out: dict[str, int | None] = {}
     for part in (p.strip() for p in text.split(",") if p.strip()):
         k, sep, v = part.partition("=")
         try:
-            out[k.strip()] = int(v) if sep else DEFAULT_LENGTHS[k.strip()]
-        except (ValueError, KeyError):
+            out[k.strip()] = int(v) if sep else None
+        except ValueError:
             raise ConfigError(f"{what}: expected TASK[=TOKENS],... got {part!r}") from None
+    return out
+
+
+def choose_length(points: dict[int, list[list[bool]]], floor: float = LENGTH_FLOOR,
+                  confidence: float = stats.CONFIDENCE) -> dict:
+    """A task's context length from its full-cache curve: the longest measured length at which every reported
+    outcome of the task (mt_niah: its first turn and its follow-up) has a Wilson lower bound >= ``floor``.
+
+    ``points``: length -> per outcome, the full cache's verdicts on the curve's samples (drawn from a split the
+    report does not use, so the reported full-cache accuracy at the chosen length is not the one it was chosen
+    on). A lower bound, not the point estimate: with 20 samples a length at 85% can be a 76% task (it was). When
+    no length clears the floor, the one with the highest lower bound is returned with ``passed`` False (the
+    report says so). Returns {"length", "passed", "lower_bound" (of the chosen length), "bounds" (per length)}."""
+    if not points:
+        raise ConfigError("choose_length: no curve points")
+    bounds = {}
+    for n, outs in points.items():
+        lbs = [stats.wilson(int(np.sum(o)), len(o), confidence)[0] if len(o) else float("nan") for o in outs]
+        bounds[int(n)] = float(np.min(lbs)) if lbs and not np.isnan(lbs).any() else float("nan")
+    ok = [n for n, b in bounds.items() if b >= floor]
+    if ok:
+        n = max(ok)
+        return {"length": n, "passed": True, "lower_bound": bounds[n], "bounds": bounds}
+    finite = {n: b for n, b in bounds.items() if np.isfinite(b)}
+    if not finite:
+        raise ConfigError("choose_length: no curve point has samples")
+    best = max(finite.values())
+    n = max(k for k, b in finite.items() if b == best)
+    return {"length": n, "passed": False, "lower_bound": best, "bounds": bounds}
+
+
+def curve_points(rows: list[dict]) -> dict[str, dict[int, list[list[bool]]]]:
+    """Curve samples -> task -> length -> per reported outcome (every turn) the verdicts, by sample index."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["task"], int(r["length"])), []).append(r)
+    out: dict[str, dict[int, list[list[bool]]]] = {}
+    for (t, n), rs in by.items():
+        rs = sorted(rs, key=lambda r: r["index"])
+        turns = len(rs[0]["correct"][0])
+        out.setdefault(t, {})[n] = [[bool(r["correct"][0][k]) for r in rs] for k in range(turns)]
     return out
 
 
@@ -53,8 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="tangram-accuracy", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
-    p.add_argument("--tasks", default=",".join(f"{k}={v}" for k, v in DEFAULT_LENGTHS.items()),
-                   help="TASK=CONTEXT_TOKENS list (first-turn prompt length; default the chosen lengths)")
+    p.add_argument("--tasks", default="all",
+                   help="TASK[=CONTEXT_TOKENS] list or 'all' (first-turn prompt length; a task without one gets "
+                        "the longest curve length whose full-cache accuracy clears --length-floor, see "
+                        "choose_length)")
+    p.add_argument("--length-floor", type=float, default=LENGTH_FLOOR,
+                   help="full-cache accuracy the 95%% Wilson lower bound must clear at a chosen length")
+    p.add_argument("--curve-split", default="calib",
+                   help="split of the curve's samples (not the report's, so the chosen length is checked afresh)")
     p.add_argument("--samples", type=int, default=100, help="samples per task (every mode sees the same ones)")
     p.add_argument("--turns", type=int, default=2, help="turns of the multi-turn task (2-4)")
     p.add_argument("--scorers", default="all", help="comma list of scoring methods, or 'all' registered ones")
@@ -68,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-continuation", type=int, default=16, help="continuation tokens scored by KL")
     p.add_argument("--curve", default="256,512,768,1024",
                    help="context lengths of the full-cache accuracy curve ('' to skip)")
-    p.add_argument("--curve-samples", type=int, default=30)
+    p.add_argument("--curve-samples", type=int, default=100)
     p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk C (the engine's default)")
     p.add_argument("--window", type=int, default=None, help="scorers' observation window (default theirs)")
     p.add_argument("--batch", type=int, default=24, help="modes evaluated together as batch rows")
@@ -115,7 +164,12 @@ def _resolve_lists(args) -> dict:
         raise ConfigError(f"--rhos must be ratios in (0, 1), got {args.rhos!r}")
     if any(a < 0 for a in alphas):
         raise ConfigError(f"--alphas must be >= 0, got {args.alphas!r}")
-    curve = [int(x) for x in _floats(args.curve, "--curve")] if args.curve.strip() else []
+    curve = sorted({int(x) for x in _floats(args.curve, "--curve")}) if args.curve.strip() else []
+    if any(n is None for n in tasks.values()) and not (curve and args.curve_samples > 0):
+        raise ConfigError("--tasks: a task without =TOKENS needs the curve to choose its length "
+                          "(--curve and --curve-samples > 0)")
+    if not 0 < args.length_floor < 1:
+        raise ConfigError(f"--length-floor must be in (0, 1), got {args.length_floor}")
     if args.samples < 0 or args.kl_samples < 0 or args.curve_samples < 0 or args.batch < 1 or args.workers < 1:
         raise ConfigError("--batch and --workers must be >= 1; --samples, --kl-samples, --curve-samples >= 0")
     if not 2 <= args.turns <= 4:
@@ -151,7 +205,8 @@ def run(args, lists: dict, out: Path) -> dict:
     dirs = [d.strip() for d in args.profiles.split(",") if d.strip()] + [str(out / "profiles")]
     opts = {"split": args.split, "turns": args.turns, "chunk": args.chunk_size, "batch": args.batch,
             "window": args.window, "kl_context": args.kl_context, "kl_continuation": args.kl_continuation,
-            "calib_context": args.calib_context_tokens, "dtype": args.dtype, "dtype_check": args.dtype_check}
+            "calib_context": args.calib_context_tokens, "dtype": args.dtype, "dtype_check": args.dtype_check,
+            "curve_split": args.curve_split}
     common = dict(workers=args.workers, threads=args.threads, model_name=args.model, weights=args.weights,
                   progress=not args.no_progress)
     store = ProfileStore(cfg.name, dirs)
@@ -182,32 +237,48 @@ def run(args, lists: dict, out: Path) -> dict:
         store = ProfileStore(cfg.name, dirs)
         modes, notes = build_modes(L, H, lists["scorers"], lists["scopes"], lists["rhos"], lists["alphas"], store,
                                    matched=not args.no_matched)
-    jobs_curve = [("curve", t, i, n) for n in lists["curve"] for i in range(args.curve_samples)
-                  for t in lists["tasks"]]
-    jobs_main = [("task", t, i, n) for i in range(args.samples) for t, n in lists["tasks"].items()]
-    jobs_main += [("kl", i) for i in range(args.kl_samples)]
     raw = {"curve": [], "task": [], "kl": []}
     t0 = time.time()
-    # one pool for the curve and the main run: the most expensive jobs (long curve prompts) first
-    jobs = sorted(jobs_curve, key=lambda j: -j[3]) + jobs_main
     # Every finished sample is appended to OUT/partial*.jsonl; a rerun of the same configuration resumes from it.
     # The curve (full cache only) does not depend on the modes, so it has its own file and fingerprint.
     same = {"model": args.model, "weights": args.weights, **{k: opts[k] for k in ("split", "turns", "chunk", "window",
                                                                                "dtype")}}
-    books = {"curve": _Book(out / "partial_curve.jsonl", same, args.fresh),
+    books = {"curve": _Book(out / "partial_curve.jsonl", dict(same, split=args.curve_split), args.fresh),
              "main": _Book(out / "partial.jsonl", dict(same, modes=[m.key for m in modes], opts=opts), args.fresh)}
-    todo = [j for j in jobs if not books["curve" if j[0] == "curve" else "main"].has(j)]
     for b in books.values():
         for r in b.done.values():
             raw[r["kind"]].append(r)
     timings["resumed_samples"] = sum(len(b.done) for b in books.values())
     cpu = [r.get("cpu_seconds", 0.0) for b in books.values() for r in b.done.values()]
-    try:
-        for res in run_jobs(todo, modes=modes, opts=opts, desc="accuracy", **common):
+
+    def run_book(jobs, desc):
+        todo = [j for j in jobs if not books["curve" if j[0] == "curve" else "main"].has(j)]
+        for res in run_jobs(todo, modes=modes, opts=opts, desc=desc, **common):
             r = _jsonable(res)
             raw[r["kind"]].append(r)
             cpu.append(r.get("cpu_seconds", 0.0))
             books["curve" if r["kind"] == "curve" else "main"].add(r)
+
+    lengths = {}
+    try:
+        # The curve, longest length first; a task leaves it at the first length that clears the floor (shorter
+        # lengths cannot be chosen any more), so a task the model solves at the longest length costs one point.
+        undecided = list(lists["tasks"])
+        for n in sorted(lists["curve"], reverse=True):
+            if not undecided:
+                break
+            run_book([("curve", t, i, n) for i in range(args.curve_samples) for t in undecided], f"curve {n}")
+            pts = curve_points(raw["curve"])
+            undecided = [t for t in undecided
+                         if not choose_length({n: pts[t][n]}, args.length_floor)["passed"]]
+        pts = curve_points(raw["curve"])
+        for t, n in lists["tasks"].items():
+            if t in pts:
+                lengths[t] = dict(choose_length(pts[t], args.length_floor), fixed=n)
+        lists["tasks"] = {t: (n if n is not None else lengths[t]["length"]) for t, n in lists["tasks"].items()}
+        jobs_main = [("task", t, i, n) for i in range(args.samples) for t, n in lists["tasks"].items()]
+        jobs_main += [("kl", i) for i in range(args.kl_samples)]
+        run_book(jobs_main, "accuracy")
     finally:
         for b in books.values():
             b.close()
@@ -217,7 +288,7 @@ def run(args, lists: dict, out: Path) -> dict:
     per_job = [r["seconds"] for k in ("task", "kl") for r in raw[k]]
     timings["sample_seconds_mean"] = round(float(np.mean(per_job)), 2) if per_job else None
     return {"modes": [_mode_dict(m) for m in modes], "notes": notes, "calibrated_profiles": calibrated,
-            "raw": raw, "timings": timings}
+            "raw": raw, "timings": timings, "lengths": lengths}
 
 
 class _Book:
@@ -585,8 +656,20 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
               f"{same} of {len(chk)} checked samples ({sum(int(a) for a, _ in chk)} vs "
               f"{sum(int(b) for _, b in chk)} correct).", ""]
     L += ["## Full-cache accuracy vs context length (choosing the lengths)", "",
-          "Full cache only; the report's lengths are the longest at which the full cache stays >= 80%.", ""]
-    L += curve_lines + ["", "![accuracy vs context length](curve.png)", ""]
+          f"Full cache only, on the `{meta.get('curve_split', 'calib')}` split (samples the report's tables do not "
+          "use). Rule (`choose_length`): a task's length is the longest curve length at which every reported "
+          f"outcome of the task (mt_niah: its first turn and its follow-up) has a 95% Wilson lower bound >= "
+          f"{meta.get('length_floor', LENGTH_FLOOR):.0%}; the curve is measured longest length first and a task "
+          "leaves it at the first length that passes (shorter ones could not be chosen).", ""]
+    L += curve_lines + [""]
+    for t, c in (res.get("lengths") or {}).items():
+        chosen = meta["tasks"].get(t)
+        how = (f"fixed at {chosen} by --tasks" if c.get("fixed") is not None else
+               f"{chosen} tokens, lower bound {100 * c['lower_bound']:.1f}%" +
+               ("" if c["passed"] else f" -- **no measured length clears {meta.get('length_floor', LENGTH_FLOOR):.0%}**"
+                " (the highest lower bound is taken)"))
+        L.append(f"- `{t}`: {how}")
+    L += ["", "![accuracy vs context length](curve.png)", ""]
     if not agg["outcomes"]:
         return "\n".join(L)
     L += ["## Full cache at the chosen lengths", "", "| task | accuracy [95% CI] | n | prompt tokens |", "|---|---|---|---|"]
@@ -766,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kl_samples": args.kl_samples, "kl_context": args.kl_context,
                 "kl_continuation": args.kl_continuation, "chunk_size": args.chunk_size, "workers": args.workers,
                 "threads": args.threads, "calibrate_missing": args.calibrate_missing, "timings": res["timings"],
-                "dtype": args.dtype,
+                "dtype": args.dtype, "curve_split": args.curve_split, "length_floor": args.length_floor,
                 "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                             "cpus": os.cpu_count()},
                 "table": str(args.table or out / f"accuracy_{args.model}.json"), "lists": lists}

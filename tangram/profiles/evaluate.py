@@ -200,6 +200,23 @@ class EvalAttention(TorchAttention):
         nb.pos = None if base.pos is None else base.pos.clone()
         return nb
 
+    @classmethod
+    def take(cls, base: TorchAttention, rows: list[int]) -> "EvalAttention":
+        """A cache of the given rows of ``base`` (a batch-1 base: expanded views until the next append)."""
+        B = base.k[0].shape[0] if base.k[0] is not None else 1
+        if B == 1:
+            return cls.fork(base, len(rows))
+        nb = cls(base.cfg)
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        for l in range(base.cfg.num_layers):
+            if base.k[l] is None:
+                continue
+            nb.k[l] = base.k[l].index_select(0, idx)
+            nb.v[l] = base.v[l].index_select(0, idx)
+            nb.keep[l] = base.keep[l].index_select(0, idx)
+        nb.pos = None if base.pos is None else base.pos.clone()
+        return nb
+
     def _attend(self, q, K, V, keep, ctx, scale):
         B, Hkv, N, _ = K.shape
         T = q.shape[2]
@@ -235,18 +252,6 @@ def word_continuation_mask(tok, vocab: int) -> torch.Tensor:
     return out
 
 
-def _groups(modes: list[Mode], batch: int) -> list[list[int]]:
-    """Row groups: the full cache alone first (its outputs are the KL reference), then per scorer in batches."""
-    out = [[i for i, m in enumerate(modes) if m.policy == "full"]]
-    by: dict[str, list[int]] = {}
-    for i, m in enumerate(modes):
-        if m.policy != "full":
-            by.setdefault(m.scorer, []).append(i)
-    for idx in by.values():
-        out += [idx[a:a + batch] for a in range(0, len(idx), batch)]
-    return [g for g in out if g]
-
-
 @dataclass
 class SampleResult:
     correct: np.ndarray  # [modes, turns] bool
@@ -258,6 +263,176 @@ class SampleResult:
     seconds: float = 0.0
 
 
+def _events(turns: list[tuple[list[int], list[int] | None]], chunk: int, continuation: list[int] | None
+            ) -> list[tuple]:
+    """What every row goes through after the shared first chunk, in order: ("chunk", ids, counted) prompt
+    chunks (counted: the first turn's, whose kept share is reported), ("answer", turn, ids), ("continuation",)."""
+    prompt0 = turns[0][0]
+    ev: list[tuple] = [("chunk", prompt0[a:a + chunk], True) for a in range(chunk, len(prompt0), chunk)]
+    for t, (prompt, ans) in enumerate(turns):
+        if t > 0:
+            ev += [("chunk", prompt[a:a + chunk], False) for a in range(0, len(prompt), chunk)]
+        if ans is not None:
+            ev.append(("answer", t, ans))
+    if continuation is not None:
+        ev.append(("continuation",))
+    return ev
+
+
+@dataclass
+class _Rows:
+    """A batch of distinct cache states: row r is shared by the modes ``members[r]``; ``lg`` their last logits."""
+
+    cache: EvalAttention
+    members: list[list[int]]
+    lg: torch.Tensor  # [R, V]
+
+
+class _SharedEval:
+    """One sample through every mode, one batch row per distinct cache state (see :func:`evaluate_sample`)."""
+
+    def __init__(self, model, modes, turns, chunk, batch, eos, continues, continuation, free_check, base_sc,
+                 full_idx):
+        self.model, self.modes, self.turns, self.batch, self.eos = model, modes, turns, batch, eos
+        self.continues, self.continuation, self.free_check = continues, continuation, free_check
+        self.base_sc, self.full_idx = base_sc, full_idx
+        L, H = model.cfg.num_layers, model.cfg.num_kv_heads
+        self.L, self.H = L, H
+        M, nT = len(modes), len(turns)
+        self.correct = np.zeros((M, nT), dtype=bool)
+        self.first_wrong = np.full((M, nT), -1, dtype=np.int64)
+        self.kept_tok = np.zeros(M)
+        self.kl = np.zeros(M) if continuation is not None else None
+        self.top1 = np.ones(M) if continuation is not None else None
+        self.free = None
+        self.full_logp = None
+        self.events = _events(turns, chunk, continuation)
+
+    # ------------------------------------------------------------------ selection
+    def split(self, rows: _Rows, scores: dict[str, torch.Tensor], T: int, count: bool
+              ) -> list[tuple[int, torch.Tensor, list[int]]]:
+        """Each member's keep mask of the newest chunk from its scorer's scores; members of a row whose masks are
+        equal stay together. Returns children (parent row, mask [L, H, T], members), the full cache's first."""
+        L, H = self.L, self.H
+        out: list[tuple[int, torch.Tensor, list[int]]] = []
+        for r, members in enumerate(rows.members):
+            by: dict[bytes, int] = {}
+            for i in members:
+                m = self.modes[i]
+                sc = scores.get(m.scorer) if m.scorer else None
+                mk = None if sc is None else m.select(sc[:, r if sc.shape[1] > 1 else 0])
+                if mk is None:
+                    mk = torch.ones(L, H, T, dtype=torch.bool)
+                key = np.packbits(mk.numpy()).tobytes()
+                if key not in by:
+                    by[key] = len(out)
+                    out.append((r, mk, []))
+                out[by[key]][2].append(i)
+                if count:
+                    self.kept_tok[i] += float(mk.sum()) / (L * H)
+        return sorted(out, key=lambda c: (self.full_idx not in c[2], self._scorers_of(c[2]), c[2][0]))
+
+    def batches(self, children: list) -> list[list]:
+        """Children in batches of at most ``batch`` rows, never mixing rows that use different scorers (a batch's
+        later chunks are scored, and KVzip's repeat forward run, for every row of it)."""
+        out, a = [], 0
+        while a < len(children):
+            key = self._scorers_of(children[a][2])
+            b = a
+            while b < len(children) and b - a < self.batch and self._scorers_of(children[b][2]) == key:
+                b += 1
+            out.append(children[a:b])
+            a = b
+        return out
+
+    def _scorers_of(self, members: list[int]) -> tuple[str, ...]:
+        return tuple(sorted({self.modes[i].scorer for i in members if self.modes[i].scorer}))
+
+    def materialize(self, parent: EvalAttention, lg: torch.Tensor, children, start: int) -> _Rows:
+        """A batch of child rows: each a copy of its parent row with its mask applied to tokens [start, ...)."""
+        idx = [c[0] for c in children]
+        cache = EvalAttention.take(parent, idx)
+        mk = torch.stack([c[1] for c in children], dim=1)  # [L, R, H, T]
+        for l in range(self.L):
+            cache.evict(l, start, mk[l])
+        return _Rows(cache, [list(c[2]) for c in children], lg[idx])
+
+    # ------------------------------------------------------------------ traversal
+    def descend(self, rows: _Rows, e0: int, scorers: dict) -> None:
+        """Run the events from ``e0`` on a batch; a chunk whose selections split a row continues in child
+        batches of at most ``batch`` rows. ``scorers``: this branch's scorer clones (KVzip keeps chunk history)."""
+        for e in range(e0, len(self.events)):
+            ev = self.events[e]
+            if ev[0] == "answer":
+                self.answer(rows, ev[1], ev[2])
+            elif ev[0] == "continuation":
+                self.continuation_kl(rows)
+            else:
+                piece, count = ev[1], ev[2]
+                br, R = rows.cache, len(rows.members)
+                need = sorted({self.modes[i].scorer for ms in rows.members for i in ms if self.modes[i].scorer})
+                active = [scorers[s] for s in need if len(piece) >= scorers[s].min_tokens]
+                for sc in active:
+                    sc.enabled = True
+                br.observers = active
+                start = br.length
+                rows.lg = _forward(self.model, br, piece, R, True)[:, -1]
+                scores = {sc.name: sc.take() for sc in active if not sc.extra_forward}
+                for sc in active:  # KVzip's repeat forward, with the other scorers off
+                    if sc.extra_forward:
+                        br.observers = [sc]
+                        sc.after_chunk(Session(self.model, br, R), piece)
+                        scores[sc.name] = sc.take()
+                br.observers = []
+                children = self.split(rows, scores, len(piece), count)
+                if len(children) == R:  # no row split: apply the masks in place
+                    children.sort(key=lambda c: c[0])
+                    mk = torch.stack([c[1] for c in children], dim=1)  # [L, R, H, T]
+                    for l in range(self.L):
+                        br.evict(l, start, mk[l])
+                    continue
+                for part in self.batches(children):
+                    sub = self.materialize(br, rows.lg, part, start)
+                    self.descend(sub, e + 1, {s: sc.clone() for s, sc in scorers.items()})
+                return
+
+    def answer(self, rows: _Rows, t: int, ans: list[int]) -> None:
+        br, R = rows.cache, len(rows.members)
+        if self.free_check is not None and t == 0:
+            for r, ms in enumerate(rows.members):
+                if self.full_idx in ms:
+                    one = EvalAttention.take(br, [r])
+                    self.free = _free_decode(self.model, one, rows.lg[r:r + 1], ans, self.free_check, self.eos)
+        feed = list(ans) + ([self.eos] if t < len(self.turns) - 1 and self.eos is not None else [])
+        lgA = _forward(self.model, br, feed, R, False)  # [R, len(feed), V]
+        n = len(ans)
+        preds = torch.cat([rows.lg.argmax(-1)[:, None], lgA[:, :n].argmax(-1)], dim=1)  # [R, n + 1]
+        hit = preds[:, :n] == torch.as_tensor(ans)[None]
+        ok = hit.all(dim=1)
+        if self.continues is not None:
+            ok &= ~self.continues[preds[:, n]]
+        wrong = torch.where(hit.all(dim=1), torch.full((R,), n), (~hit).int().argmax(dim=1))
+        for r, ms in enumerate(rows.members):
+            self.correct[ms, t] = bool(ok[r])
+            self.first_wrong[ms, t] = -1 if bool(ok[r]) else int(wrong[r])
+        rows.lg = lgA[:, -1]
+
+    def continuation_kl(self, rows: _Rows) -> None:
+        R = len(rows.members)
+        lp = torch.log_softmax(_forward(self.model, rows.cache, self.continuation, R, False).float(), dim=-1)
+        if self.full_logp is None:
+            ref = [r for r, ms in enumerate(rows.members) if self.full_idx in ms]
+            if not ref:
+                raise RuntimeError("the full cache must be evaluated first")
+            self.full_logp = lp[ref[0]]
+        p = self.full_logp.exp()
+        d = (p[None] * (self.full_logp[None] - lp)).sum(-1)  # [R, K]
+        agree = (lp.argmax(-1) == self.full_logp.argmax(-1)[None]).float()
+        for r, ms in enumerate(rows.members):
+            self.kl[ms] = float(d[r].mean())
+            self.top1[ms] = float(agree[r].mean())
+
+
 @torch.no_grad()
 def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[int] | None]], *, chunk: int,
                     batch: int = 16, window: int | None = None, eos: int | None = None,
@@ -265,17 +440,20 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
                     free_check: tuple[int, callable] | None = None, tokenizer=None) -> SampleResult:
     """All modes on one sample. ``turns``: (prompt ids, gold answer ids) per turn (answer None for a KL text);
     ``continuation``: ids scored by KL after the last prompt. ``free_check``: (max new tokens, decode fn) to also
-    decode the full cache's first answer freely. ``tokenizer``: needed by KVzip's reconstruction prompt."""
+    decode the full cache's first answer freely. ``tokenizer``: needed by KVzip's reconstruction prompt.
+
+    Rows are cache states, not modes: every scorer scores a chunk once per state, every mode selects from its
+    scorer's scores, and modes whose selections are equal (the same keep mask bit for bit, e.g. a scorer's
+    dynamic and uniform rows when they coincide, two scorers with equal scores, a budget that keeps everything)
+    share one row for everything after it; a later chunk whose selections differ splits the row. The verdicts,
+    kept shares and KL equal those of one row per mode (``tests/accuracy_reference.py``)."""
     t0 = time.time()
     cfg = model.cfg
-    L, H = cfg.num_layers, cfg.num_kv_heads
+    L = cfg.num_layers
     M, nT = len(modes), len(turns)
-    correct = np.zeros((M, nT), dtype=bool)
-    first_wrong = np.full((M, nT), -1, dtype=np.int64)
-    kept = np.ones(M)
-    kl = np.zeros(M) if continuation is not None else None
-    top1 = np.ones(M) if continuation is not None else None
-    free = None
+    full_idx = next((i for i, m in enumerate(modes) if m.policy == "full"), None)
+    if full_idx is None and continuation is not None:
+        raise ConfigError("KL needs the full cache among the modes (its distribution is the reference)")
     scorer_names = sorted({m.scorer for m in modes if m.scorer})
     base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in scorer_names}
     base = EvalAttention(cfg, observers=list(base_sc.values()))
@@ -289,99 +467,25 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
             sc.after_chunk(Session(model, base), c0)
             scores0[s] = sc.take()
     base.observers = []
+    ev = _SharedEval(model, modes, turns, chunk, batch, eos, continues, continuation, free_check, base_sc, full_idx)
     if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
             and int(logits0[0].argmax()) != turns[0][1][0]):
         # one chunk, one question: the first answer token comes from the shared prefill logits for every mode,
         # and it is wrong, so every mode is wrong (kept shares are not measured for this sample)
         if free_check is not None:
-            free = _free_decode(model, base, logits0, turns[0][1], free_check, eos)
-        first_wrong[:] = 0
-        return SampleResult(correct, first_wrong, np.full(M, np.nan), None, None, free, time.time() - t0)
-    full_logp = None
-    for idx in _groups(modes, batch):
-        ms = [modes[i] for i in idx]
-        B = len(ms)
-        sname = ms[0].scorer
-        scorer = base_sc[sname].clone() if sname else None
-        br = EvalAttention.fork(base, B, observers=[scorer] if scorer else [])
-        kept_tok = np.zeros(B)
-        kept_den = [0]
-
-        def compress(start: int, sc: torch.Tensor, count: bool) -> None:
-            T = sc.shape[-1]
-            masks = []
-            for b, m in enumerate(ms):
-                mk = m.select(sc[:, b if sc.shape[1] > 1 else 0])
-                masks.append(torch.ones(L, H, T, dtype=torch.bool) if mk is None else mk)
-            mk = torch.stack(masks, dim=1)  # [L, B, H, T]
-            for l in range(L):
-                br.evict(l, start, mk[l])
-            if count:
-                kept_tok[:] += mk.sum(dim=(0, 2, 3)).numpy() / (L * H)
-                kept_den[0] += T
-
-        if scorer is not None:
-            compress(0, scores0[sname], True)
-        else:
-            kept_den[0] += len(c0)
-            kept_tok[:] += len(c0)
-        lg = logits0.expand(B, -1)
-
-        def prefill(ids: list[int], count: bool):
-            nonlocal lg
-            for a in range(0, len(ids), chunk):
-                piece = ids[a:a + chunk]
-                start = br.length
-                lg = _forward(model, br, piece, B, True)[:, -1]
-                if scorer is not None and len(piece) >= scorer.min_tokens:
-                    scorer.after_chunk(Session(model, br, B), piece)  # KVzip's repeat; a no-op for the others
-                    compress(start, scorer.take(), count)
-                elif count:
-                    kept_tok[:] += len(piece)
-                    kept_den[0] += len(piece)
-
-        prefill(prompt0[chunk:], True)
-        for t, (prompt, ans) in enumerate(turns):
-            if t > 0:
-                prefill(prompt, False)
-            if ans is None:
-                continue
-            if scorer is not None:
-                scorer.enabled = False
-            if free_check is not None and t == 0 and ms[0].policy == "full":
-                free = _free_decode(model, br, lg, ans, free_check, eos)
-            feed = list(ans) + ([eos] if t < nT - 1 and eos is not None else [])
-            lgA = _forward(model, br, feed, B, False)  # [B, len(feed), V]
-            n = len(ans)
-            preds = torch.cat([lg.argmax(-1)[:, None], lgA[:, :n].argmax(-1)], dim=1)  # [B, n + 1]
-            hit = preds[:, :n] == torch.as_tensor(ans)[None]
-            ok = hit.all(dim=1)
-            if continues is not None:
-                ok &= ~continues[preds[:, n]]
-            wrong = torch.where(hit.all(dim=1), torch.full((B,), n), (~hit).int().argmax(dim=1))
-            for b, i in enumerate(idx):
-                correct[i, t] = bool(ok[b])
-                first_wrong[i, t] = -1 if bool(ok[b]) else int(wrong[b])
-            lg = lgA[:, -1]
-            if scorer is not None:
-                scorer.enabled = True
-        if continuation is not None:
-            if scorer is not None:
-                scorer.enabled = False
-            lp = torch.log_softmax(_forward(model, br, continuation, B, False).float(), dim=-1)  # [B, K, V]
-            if full_logp is None:
-                if ms[0].policy != "full":
-                    raise RuntimeError("the full cache must be evaluated first")
-                full_logp = lp[0]
-            p = full_logp.exp()
-            d = (p[None] * (full_logp[None] - lp)).sum(-1)  # [B, K]
-            agree = (lp.argmax(-1) == full_logp.argmax(-1)[None]).float()
-            for b, i in enumerate(idx):
-                kl[i] = float(d[b].mean())
-                top1[i] = float(agree[b].mean())
-        for b, i in enumerate(idx):
-            kept[i] = kept_tok[b] / max(kept_den[0], 1)
-    return SampleResult(correct, first_wrong, kept, kl, top1, free, time.time() - t0)
+            ev.free = _free_decode(model, base, logits0, turns[0][1], free_check, eos)
+        ev.first_wrong[:] = 0
+        return SampleResult(ev.correct, ev.first_wrong, np.full(M, np.nan), None, None, ev.free, time.time() - t0)
+    root = _Rows(base, [list(range(M))], logits0)
+    children = ev.split(root, scores0, len(c0), True)
+    # the full cache's row alone first: its outputs are the KL reference and its free decoding runs on it
+    parts = [children[:1]] if children and full_idx in children[0][2] else []
+    parts += ev.batches(children[len(parts):])
+    for part in parts:
+        sub = ev.materialize(base, logits0, part, 0)
+        ev.descend(sub, 0, {s: sc.clone() for s, sc in base_sc.items()})
+    kept = ev.kept_tok / max(len(prompt0), 1)
+    return SampleResult(ev.correct, ev.first_wrong, kept, ev.kl, ev.top1, ev.free, time.time() - t0)
 
 
 def _free_decode(model, br: TorchAttention, lg: torch.Tensor, ans: list[int], check, eos) -> dict:
@@ -499,16 +603,18 @@ def _run_job(job: tuple) -> dict:
     dec = lambda ids: tok.decode(ids, skip_special=True)  # noqa: E731
     if kind in ("task", "curve"):
         _, task, index, length = job
-        s = build_task_sample(tok, task, o["split"], index, length, o["turns"])
+        split = o.get("curve_split", o["split"]) if kind == "curve" else o["split"]
+        s = build_task_sample(tok, task, split, index, length, o["turns"])
         turns = [(prompt_ids(tok, s, t), answer_ids(tok, s, t)) for t in range(len(s.questions))]
         use = modes[:1] if kind == "curve" else modes
         r = evaluate_sample(_W["task_model"], use, turns, chunk=o["chunk"], batch=o["batch"], window=o["window"],
                             eos=tok.eos_id, continues=_W["continues"],
-                            free_check=(len(turns[0][1]) + 4, dec) if o.get("free_check", True) else None,
+                            free_check=(len(turns[0][1]) + 4, dec) if kind == "task" and o.get("free_check", True)
+                            else None,
                             tokenizer=tok)
         out = {"kind": kind, "task": task, "index": index, "length": length, "prompt_tokens": len(turns[0][0]),
                "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
-               "seconds": r.seconds, "depth": s.meta.get("depth", s.meta.get("depths"))}
+               "seconds": r.seconds, "split": split, "depth": s.meta.get("depth", s.meta.get("depths"))}
         if kind == "task" and _W["task_model"] is not model and index < o.get("dtype_check", 0):
             f = evaluate_sample(model, modes[:1], turns, chunk=o["chunk"], eos=tok.eos_id, continues=_W["continues"])
             out["full_float32"] = f.correct[0]
