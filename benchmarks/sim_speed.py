@@ -46,7 +46,9 @@ def run_cli(python: str, args: list[str], *, cwd: str | None = None, timeout: fl
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([python, "-m", "tangram.sim.cli", *args], capture_output=True, text=True, cwd=cwd,
+        # -P: never import the package from the current folder (a baseline python run from this checkout's root
+        # would otherwise mix this checkout's tangram/ with its own sim/)
+        p = subprocess.run([python, "-P", "-m", "tangram.sim.cli", *args], capture_output=True, text=True, cwd=cwd,
                            timeout=timeout)
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired:
@@ -172,7 +174,13 @@ def main(argv=None) -> None:
             res["speedup_single_cpu"] = {m: round(res["baseline_single"][m]["median_cpu_s"] /
                                                   max(ref[m]["median_cpu_s"], 1e-9), 2)
                                          for m in a.single_modes.split(",")}
-            print(json.dumps({"baseline_single": res["baseline_single"]}), flush=True)
+            # same trace, same settings: the per-request results must be the same bytes (page ids never reach them)
+            res["requests_csv_identical"] = {
+                m: (work / "base" / f"single_{m}_0" / "requests.csv").read_bytes() ==
+                ((work / "prefix") if a.baseline_sessions else work).joinpath(f"single_{m}_0", "requests.csv").read_bytes()
+                for m in a.single_modes.split(",") if not res["baseline_single"][m]["runs"][-1]["timed_out"]}
+            print(json.dumps({"baseline_single": res["baseline_single"],
+                              "requests_csv_identical": res["requests_csv_identical"]}), flush=True)
     if "capacity" in what:
         out = work / "capacity"
         r = run_cli(me, [str(trace), "--capacity", "--jobs", str(a.jobs), "--no-plots", "--out", str(out)])

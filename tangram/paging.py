@@ -12,6 +12,7 @@ counts below are all in slot order.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,17 +142,27 @@ class PagePool:
 
     ``ref[p]`` counts the block-table rows (running or parked) whose tables hold page ``p``; ``pins[p]`` counts the
     prefix-cache entries that retain it (:mod:`tangram.prefix_cache`). A page returns to the free list only when
-    both are zero, so a page shared by several requests, or cached for later ones, is never freed while in use.
-    Without shared prefixes every page has ``ref == 1`` and no pin: :meth:`release` is then :meth:`free`.
+    both are zero, so a page shared by several requests, or cached for later ones, is never freed while in use:
+    a page is allocated exactly when ``ref > 0 or pins > 0`` (no separate flag to keep in step).
+    Without shared prefixes every page has ``ref == 1`` and no pin: :meth:`release` then frees every page.
+
+    A replay moves a few hundred million page ids through here (a parked session under ragged paging holds ~20K),
+    so the hot paths make as few passes over the ids as they can. Always checked: a count dropping below zero (a
+    release or unpin of a page nobody holds: the double free of a page freed earlier). Checked only when
+    ``check`` is on (``PagePool.validate``, or ``TANGRAM_CHECK_PAGES=1``; the test suite turns it on): a page id
+    repeated within one call, an incref/pin/alloc of a page in the wrong state. Those cost a sort or extra
+    gathers per call and the invariants of the callers already exclude them.
     """
 
-    def __init__(self, num_pages: int, page_bytes: int):
+    validate = os.environ.get("TANGRAM_CHECK_PAGES", "") not in ("", "0")  # default of ``check``
+
+    def __init__(self, num_pages: int, page_bytes: int, *, check: bool | None = None):
         if num_pages <= 0:
             raise ConfigError(f"the KV pool holds no page (page of {page_bytes} bytes does not fit)")
         self.num_pages, self.page_bytes = int(num_pages), int(page_bytes)
+        self.check = PagePool.validate if check is None else bool(check)
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)  # stack; top = end
         self._n_free = int(num_pages)
-        self._in_use = np.zeros(num_pages, dtype=bool)
         self.ref = np.zeros(num_pages, dtype=np.int32)
         self.pins = np.zeros(num_pages, dtype=np.int32)
         self.n_refs = 0  # sum of ref: table entries pointing at pages
@@ -161,6 +172,12 @@ class PagePool:
         self.total_allocs = 0
         self.total_frees = 0
         self.lets_go = 0  # calls that lowered a ref or pin count (a page may have become the cache's alone)
+        # pages that became held by nobody and pinned once (``ref == 0 and pins == 1``: retained by one cache entry
+        # alone), logged among those with ``watch[p] > 0`` when a prefix cache sets ``watch`` (an array it owns);
+        # it takes them with :meth:`take_lone`
+        self.watch: np.ndarray | None = None
+        self._lone: list[np.ndarray] = []
+        self._n_lone = 0
 
     @property
     def n_free(self) -> int:
@@ -175,13 +192,41 @@ class PagePool:
         """Pages that sharing saves right now: table entries beyond the first on each shared page."""
         return self.n_refs - self.n_referenced
 
+    @property
+    def in_use(self) -> np.ndarray:
+        """bool [num_pages]: allocated (a row holds it or the cache pins it)."""
+        return (self.ref > 0) | (self.pins > 0)
+
+    def take_lone(self) -> np.ndarray:
+        """Watched pages logged as held by nobody and pinned once since the last call (some may have changed since,
+        some may repeat)."""
+        out = np.concatenate(self._lone) if self._lone else np.zeros(0, dtype=np.int64)
+        self._lone, self._n_lone = [], 0
+        return out
+
+    def _log_lone(self, ids: np.ndarray) -> None:
+        ids = ids[self.watch[ids] > 0]
+        if ids.size:
+            self._lone.append(ids)
+            self._n_lone += ids.size
+            if self._n_lone > self.num_pages:  # nobody took them for long: keep those still lone, once each
+                x = np.unique(self.take_lone())
+                x = x[(self.ref[x] == 0) & (self.pins[x] == 1)]
+                self._lone, self._n_lone = [x], x.size
+
+    def _distinct(self, ids: np.ndarray, what: str) -> None:
+        srt = np.sort(ids)
+        if (srt[1:] == srt[:-1]).any():
+            raise AssertionError(f"double {what}: a page id repeats in one call")
+
     def alloc(self, n: int) -> np.ndarray:
         """``n`` fresh pages, each held once (``ref = 1``) by the caller's row."""
         if n > self._n_free:
             raise OutOfPages(f"need {n} pages, {self._n_free} free")
         ids = self._free[self._n_free - n:self._n_free][::-1].copy()
+        if self.check and (self.ref[ids].any() or self.pins[ids].any()):
+            raise AssertionError("free list holds a page in use")
         self._n_free -= n
-        self._in_use[ids] = True
         self.ref[ids] = 1
         self.n_refs += n
         self.n_referenced += n
@@ -190,83 +235,103 @@ class PagePool:
 
     def incref(self, ids: np.ndarray) -> None:
         """Another row holds these (distinct, allocated) pages: a prefix-cache hit."""
-        ids = np.asarray(ids, dtype=np.int64).ravel()
+        ids = np.asarray(ids).ravel()
         if ids.size == 0:
             return
-        if not self._in_use[ids].all():
-            raise AssertionError("reference to a page that is not allocated")
         r = self.ref[ids]
+        if self.check:
+            self._distinct(ids, "reference")
+            if not ((r > 0) | (self.pins[ids] > 0)).all():
+                raise AssertionError("reference to a page that is not allocated")
         self.n_referenced += int(np.count_nonzero(r == 0))
         self.n_shared += int(np.count_nonzero(r == 1))
-        self.ref[ids] = r + 1
+        r += 1
+        self.ref[ids] = r
         self.n_refs += ids.size
 
     def release(self, ids: np.ndarray) -> int:
         """A row lets go of these (distinct) pages; those no row holds and no cache entry pins are freed.
         Returns the number freed."""
-        ids = np.asarray(ids, dtype=np.int64).ravel()
+        ids = np.asarray(ids).ravel()
         if ids.size == 0:
             return 0
-        r = self.ref[ids] - 1
-        if (r < 0).any():
+        r = self.ref[ids]
+        r -= 1
+        if r.min() < 0:
             raise AssertionError("release of a page no row holds (double free)")
+        if self.check:
+            self._distinct(ids, "free")
         self.lets_go += 1
         self.ref[ids] = r
         self.n_refs -= ids.size
         zero = r == 0
-        self.n_referenced -= int(np.count_nonzero(zero))
+        nz = int(np.count_nonzero(zero))
+        self.n_referenced -= nz
         self.n_shared -= int(np.count_nonzero(r == 1))
-        dead = ids[zero & (self.pins[ids] == 0)]
-        self.free(dead)
+        if self.n_pinned:
+            p = self.pins[ids]
+            if self.watch is not None:
+                lone = zero & (p == 1)
+                if lone.any():
+                    self._log_lone(ids[lone])
+            dead = ids[zero & (p == 0)]
+        else:
+            dead = ids if nz == ids.size else ids[zero]
+        self._push(dead)
         return int(dead.size)
 
-    def pin(self, ids: np.ndarray) -> None:
-        """The prefix cache retains these (allocated) pages beyond their rows' lifetime; a repeated id pins twice."""
-        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
+    def pin(self, ids: np.ndarray, distinct: bool = False) -> None:
+        """The prefix cache retains these (allocated) pages beyond their rows' lifetime; a repeated id pins twice
+        (``distinct``: the caller knows no id repeats, which saves a sort)."""
+        ids, n = self._counted(ids, distinct, "pin")
         if ids.size == 0:
             return
-        if not self._in_use[ids].all():
-            raise AssertionError("pin of a page that is not allocated")
         p = self.pins[ids]
+        if self.check and not ((p > 0) | (self.ref[ids] > 0)).all():
+            raise AssertionError("pin of a page that is not allocated")
         self.n_pinned += int(np.count_nonzero(p == 0))
-        self.pins[ids] = p + n
+        p += n
+        self.pins[ids] = p
 
-    def unpin(self, ids: np.ndarray) -> int:
+    def unpin(self, ids: np.ndarray, distinct: bool = False) -> int:
         """A cache entry lets go of these pages; those nobody holds any more are freed. Returns the number freed."""
-        ids, n = np.unique(np.asarray(ids, dtype=np.int64).ravel(), return_counts=True)
+        ids, n = self._counted(ids, distinct, "unpin")
         if ids.size == 0:
             return 0
-        p = self.pins[ids] - n
-        if (p < 0).any():
+        p = self.pins[ids]
+        p -= n
+        if p.min() < 0:
             raise AssertionError("unpin of a page that is not pinned")
         self.lets_go += 1
         self.pins[ids] = p
         self.n_pinned -= int(np.count_nonzero(p == 0))
-        dead = ids[(p == 0) & (self.ref[ids] == 0)]
-        self.free(dead)
+        r0 = self.ref[ids] == 0
+        if self.watch is not None:
+            lone = r0 & (p == 1)
+            if lone.any():
+                self._log_lone(ids[lone])
+        dead = ids[(p == 0) & r0]
+        self._push(dead)
         return int(dead.size)
 
-    def free(self, ids: np.ndarray) -> None:
-        """Return pages to the free list (callers go through :meth:`release` / :meth:`unpin`)."""
-        ids = np.asarray(ids, dtype=np.int32).ravel()
+    def _counted(self, ids, distinct: bool, what: str) -> tuple[np.ndarray, np.ndarray | int]:
+        ids = np.asarray(ids).ravel()
+        if not distinct:
+            if ids.size > 1:
+                return np.unique(ids, return_counts=True)
+            return ids, 1
+        if self.check and ids.size > 1:
+            self._distinct(ids, what)
+        return ids, 1
+
+    def _push(self, ids: np.ndarray) -> None:
+        """Return pages nobody holds or pins (``release`` / ``unpin`` found them) to the free list."""
         if ids.size == 0:
             return
-        if not self._in_use[ids].all():
-            raise AssertionError("free of a page that is not allocated (double free?)")
-        if self.ref[ids].any() or self.pins[ids].any():
-            raise AssertionError("free of a page that a row holds or the prefix cache pins")
-        if ids.size < 1024:
-            srt = np.sort(ids)  # sort+diff: ~10x cheaper than np.unique's hashing for this check
-            if (srt[1:] == srt[:-1]).any():
-                raise AssertionError("double free: a page id repeats in one free")
-            self._in_use[ids] = False
-        else:
-            # A whole session's pages (20K+ under ragged paging): a repeated id clears one flag for two entries, so
-            # the flags left set must number n_used - ids.size; one linear count over the pool is several times
-            # cheaper than sorting (or stamping) 20K random ids, which made frees ~15% of a simulation.
-            self._in_use[ids] = False
-            if np.count_nonzero(self._in_use) != self.n_used - ids.size:
-                raise AssertionError("double free: a page id repeats in one free")
+        if self.check:
+            if self.ref[ids].any() or self.pins[ids].any():
+                raise AssertionError("free of a page that a row holds or the prefix cache pins")
+            self._distinct(ids, "free")
         self._free[self._n_free:self._n_free + ids.size] = ids
         self._n_free += ids.size
         self.total_frees += ids.size
@@ -352,10 +417,15 @@ class BlockTable:
 
     def row_ids(self, row: int, lo: np.ndarray | int = 0, hi: np.ndarray | None = None) -> np.ndarray:
         """Page ids of the row's tables in columns ``[lo[t], hi[t])`` (default: all it holds), table-major."""
-        col = np.arange(self.pages.shape[2])[None, :]
-        hi = self.npages[row] if hi is None else np.asarray(hi)
-        mask = (col < hi[:, None]) & (col >= np.asarray(lo).reshape(-1, 1))
-        return self.pages[row][mask].astype(np.int64)
+        T = self.layout.n_tables
+        hi = self.npages[row] if hi is None else np.broadcast_to(np.asarray(hi, dtype=np.int64), (T,))
+        lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), (T,))
+        c0, c1 = int(lo.min(initial=0)), int(hi.max(initial=0))  # only the columns some table needs
+        if c1 <= c0:
+            return np.zeros(0, dtype=np.int64)
+        col = np.arange(c0, c1)[None, :]
+        mask = (col < hi[:, None]) & (col >= lo[:, None])
+        return self.pages[row, :, c0:c1][mask].astype(np.int64)
 
     def release_row(self, row: int) -> int:
         """Let go of every page of the row (shared ones stay with their other holders); returns pages freed."""
@@ -387,11 +457,14 @@ class BlockTable:
         need_cap = int(parked.npages.max(initial=0))
         if need_cap > self.pages.shape[2]:
             self._grow(cap=max(need_cap, 2 * self.pages.shape[2]))
-        T = self.layout.n_tables
-        tt = np.repeat(np.arange(T), parked.npages)
-        col = np.arange(parked.ids.size) - np.repeat(np.cumsum(parked.npages) - parked.npages, parked.npages)
-        self.pages[row, tt, col] = parked.ids
-        self._log(np.full(tt.size, row), tt, col, parked.ids)
+        n = parked.npages
+        w = int(n.max(initial=0))
+        if w:
+            mask = np.arange(w)[None, :] < n[:, None]
+            self.pages[row, :, :w][mask] = parked.ids  # table-major, as park took them
+            if self._writes is not None:
+                tt, col = np.nonzero(mask)
+                self._log(np.full(tt.size, row), tt, col, parked.ids)
         self.npages[row] = parked.npages
         self.lens[row] = parked.lens
         return row
@@ -430,14 +503,16 @@ class BlockTable:
         if cap > self.pages.shape[2]:
             self._grow(cap=max(cap, 2 * self.pages.shape[2]))
         ids = self.pool.alloc(total)
+        cap = self.pages.shape[2]
+        base = (r_of * T + t_of) * cap + old  # flat index of each growing table's first new page
         if total == nz.size:  # one page per growing table (every decode step)
-            self.pages[r_of, t_of, old] = ids
-            self._log(r_of, t_of, old, ids)
-        else:
-            rr, tt = np.repeat(r_of, cnt), np.repeat(t_of, cnt)
-            off = np.arange(total) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            self.pages[rr, tt, np.repeat(old, cnt) + off] = ids
-            self._log(rr, tt, np.repeat(old, cnt) + off, ids)
+            flat = base
+        else:  # runs of ``cnt`` consecutive columns, table-major as ``ids``
+            flat = np.arange(total, dtype=np.int64) + np.repeat(base - (np.cumsum(cnt) - cnt), cnt)
+        self.pages.reshape(-1)[flat] = ids
+        if self._writes is not None:
+            rt, col = np.divmod(flat, cap)
+            self._log(rt // T, rt % T, col, ids)
         self.npages[r_of, t_of] = old + cnt
         self.rows_touched += int(nz.size)
         return total

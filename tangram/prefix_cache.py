@@ -106,6 +106,7 @@ class Unit:
     endable: bool = True  # a hit may end here: no partial page, or its copy sources are kept
     holders: int = 1  # rows (running or parked) holding it; the registering row first
     evicted: bool = False
+    serial: int = 0  # registration order (``PrefixCache.tailed`` order)
 
 
 class PrefixCache:
@@ -122,8 +123,18 @@ class PrefixCache:
         self.registered = 0
         self.evictions = 0
         self.tails_dropped = 0
-        self._no_tail_at = -1  # pool.lets_go when a scan last found no droppable copy source
-        self._tails = None  # (tail ids of every tailed unit, oldest first, concatenated; their unit's index; units)
+        # Which tailed unit may drop its copy sources (``evict_one``) is kept up to date from the pool's log of pages
+        # that became the cache's alone (``ref == 0``, one pin): a page pinned once is listed by one unit at most,
+        # found by ``owner``. ``listed[p]``: tailed units listing page p (consecutive units of one row may list the
+        # same partial page); ``owner[p]``: the serial of the last unit that listed it, -2 when that one let go
+        # while another still lists it (then one scan of every unit's copy sources finds the candidates)
+        self.listed = np.zeros(pool.num_pages, dtype=np.int16)
+        self.owner = np.full(pool.num_pages, -1, dtype=np.int64)
+        pool.watch = self.listed
+        self._serial = 0
+        self._by_serial: dict[int, Unit] = {}  # tailed units by serial
+        self._cand: set[int] = set()  # serials of tailed units that may hold a copy source only the cache keeps
+        self._rescan = False
 
     # ------------------------------------------------------------------ chains
     def chain(self, prefix) -> ChainPlan:
@@ -214,14 +225,17 @@ class PrefixCache:
         endable = keep_tail or tail.size == 0
         if not endable:
             tail = tail[:0]
-        self.pool.pin(ids)
-        self.pool.pin(tail)
+        self.pool.pin(ids, distinct=True)
+        self.pool.pin(tail, distinct=True)
+        self._serial += 1
         u = Unit(key, int(end), parent, np.array(lens, dtype=np.int64), stable, stable - prev, ids, tail,
-                 n - stable if endable else np.zeros_like(n), endable)
+                 n - stable if endable else np.zeros_like(n), endable, serial=self._serial)
         self.units[key] = u
         if tail.size:
             self.tailed[key] = u
-            self._tails = None
+            self._by_serial[u.serial] = u
+            self.listed[tail] += 1
+            self.owner[tail] = u.serial
         self.registered += 1
         return u
 
@@ -232,19 +246,31 @@ class PrefixCache:
         self.idle.pop(u.key, None)
         if self.units.get(u.key) is u:
             del self.units[u.key]
-        if self.tailed.get(u.key) is u:
-            del self.tailed[u.key]
-            self._tails = None
+        self._untail(u)
         u.evicted = True
         self.evictions += 1
-        return self.pool.unpin(u.ids) + self.pool.unpin(u.tail_ids)
+        return self.pool.unpin(u.ids, distinct=True) + self.pool.unpin(u.tail_ids, distinct=True)
+
+    def _untail(self, u: Unit) -> None:
+        """``u`` no longer lists its copy sources (before they are unpinned)."""
+        if self.tailed.get(u.key) is not u:
+            return
+        del self.tailed[u.key]
+        del self._by_serial[u.serial]
+        self._cand.discard(u.serial)
+        t = u.tail_ids
+        left = self.listed[t] - 1
+        self.listed[t] = left
+        mine = self.owner[t] == u.serial
+        self.owner[t[mine & (left == 0)]] = -1
+        other = mine & (left > 0)
+        if other.any():  # another unit still lists them: which one is not kept
+            self.owner[t[other]] = -2
 
     def _drop_tail(self, u: Unit) -> int:
         """Forget a unit's copy sources: hits may still pass through it, not end at it."""
-        if self.tailed.get(u.key) is u:
-            del self.tailed[u.key]
-            self._tails = None
-        freed = self.pool.unpin(u.tail_ids)
+        self._untail(u)
+        freed = self.pool.unpin(u.tail_ids, distinct=True)
         u.tail_ids, u.tail_cnt, u.endable = u.tail_ids[:0], np.zeros_like(u.tail_cnt), False
         self.tails_dropped += 1
         return freed
@@ -256,20 +282,39 @@ class PrefixCache:
         if self.idle:
             self._evict(next(iter(self.idle.values())))
             return True
-        if self._no_tail_at == self.pool.lets_go:  # nothing let go of a page since the last empty scan (a blocked
-            return False  # head retries every step; the scan is O(cached units))
-        if self._tails is None:  # one vectorised test over every unit's copy sources, oldest unit first
+        u = self.droppable()
+        if u is None:
+            return False
+        self._drop_tail(u)
+        return True
+
+    def droppable(self) -> Unit | None:
+        """The oldest tailed unit with a copy source only the cache keeps (held by no row, pinned by it alone), or
+        None; what :meth:`evict_one` drops when no unit is idle. Incremental: candidates come from the pool's log
+        of pages that became the cache's alone, each checked before it is returned."""
+        pool = self.pool
+        d = pool.take_lone()  # copy sources that became the cache's alone since the last call
+        if d.size:
+            d = d[(pool.ref[d] == 0) & (pool.pins[d] == 1) & (self.listed[d] > 0)]
+            o = self.owner[d]
+            if (o == -2).any():
+                self._rescan = True
+            self._cand.update(o[o >= 0].tolist())
+        if self._rescan:  # one vectorised test over every unit's copy sources
+            self._rescan = False
             units = list(self.tailed.values())
-            ids = np.concatenate([u.tail_ids for u in units]) if units else np.zeros(0, dtype=np.int64)
-            own = np.repeat(np.arange(len(units)), [u.tail_ids.size for u in units])
-            self._tails = (ids, own, units)
-        ids, own, units = self._tails
-        hit = np.flatnonzero((self.pool.ref[ids] == 0) & (self.pool.pins[ids] == 1))
-        if hit.size:
-            self._drop_tail(units[int(own[hit[0]])])
-            return True
-        self._no_tail_at = self.pool.lets_go
-        return False
+            if units:
+                ids = np.concatenate([u.tail_ids for u in units])
+                own = np.repeat(np.arange(len(units)), [u.tail_ids.size for u in units])
+                hit = own[(pool.ref[ids] == 0) & (pool.pins[ids] == 1)]
+                self._cand.update(units[i].serial for i in np.unique(hit).tolist())
+        for s in sorted(self._cand):  # oldest first; a candidate is checked before it is returned
+            u = self._by_serial[s]
+            t = u.tail_ids
+            if ((pool.ref[t] == 0) & (pool.pins[t] == 1)).any():
+                return u
+            self._cand.discard(s)
+        return None
 
     def clear(self) -> int:
         """Evict every idle unit (end of a run); returns pages freed."""

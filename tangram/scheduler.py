@@ -297,7 +297,7 @@ class Scheduler:
             self.pc.release(req.units)
             req.units = []
         if req.pending_copy is not None:
-            self.stats.pages_freed += self.pool.unpin(req.pending_copy[0])
+            self.stats.pages_freed += self.pool.unpin(req.pending_copy[0], distinct=True)
             req.pending_copy = None
 
     def _make_room(self, pages: int, *, keep_sid: str | None = None, preempt_after: int | None = None) -> bool:
@@ -451,11 +451,11 @@ class Scheduler:
             watermark += self._inflight_chunk_pages()
         if units:  # before making room: the units it hits are not evicted, nor the copy sources it needs dropped
             self.pc.hold(units)
-            self.pool.pin(units[-1].tail_ids)
+            self.pool.pin(units[-1].tail_ids, distinct=True)
         if not self._make_room(need + watermark, keep_sid=req.sid):
             if units:
                 self.pc.release(units)
-                self.pool.unpin(units[-1].tail_ids)
+                self.pool.unpin(units[-1].tail_ids, distinct=True)
             self._blocked = (req, self.pool.n_free)  # what decode_run needs to know the next step admits nothing
             return False
         self.waiting.popleft()

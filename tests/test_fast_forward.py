@@ -90,6 +90,30 @@ def test_mooncake_import_identical(tmp_path):
         assert a["prefix_hits"] > 0
 
 
+def test_unchecked_pool_replays_as_the_checked_one(tmp_path, monkeypatch):
+    """The replay's hot path runs the page pool without its per-call checks (``PagePool.validate`` off, the
+    default outside the tests): the same Mooncake import under memory pressure (prefix-cache evictions, dropped
+    copy sources, evicted sessions) gives the same per-request results and counts as with every check on."""
+    from tangram.paging import PagePool
+
+    syn = generate_mooncake(160, seed=3, duration_s=60.0)
+    write_mooncake(syn.records, tmp_path / "mc.jsonl")
+    tr = import_mooncake(tmp_path / "mc.jsonl")
+    for mode in ("tangram", "full"):
+        spec = _spec(kv_pool_bytes=4 * 2**30)
+        a, ra = simulate(tr, spec, mode, fast_forward=True)
+        monkeypatch.setattr(PagePool, "validate", False)
+        b, rb = simulate(tr, spec, mode, fast_forward=True)
+        monkeypatch.setattr(PagePool, "validate", True)
+        assert ra.schedulers[0].pool.check and not rb.schedulers[0].pool.check
+        assert a["session_evictions"] > 0 and ra.schedulers[0].pc.evictions > 0, mode
+        for k in ("steps", "preemptions", "session_evictions", "completed", "ttft_p99_s", "prefix_hits"):
+            assert a[k] == b[k], (mode, k)
+        assert dataclasses.asdict(ra.schedulers[0].stats) == dataclasses.asdict(rb.schedulers[0].stats)
+        assert [(p.status, p.first_token_s, p.finish_s) for p in ra.records] == \
+            [(p.status, p.first_token_s, p.finish_s) for p in rb.records]
+
+
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "session-affinity"])
 def test_three_replicas_each_router_identical(router):
     """Turns routed to a replica in the middle of its run cut the run there; round-robin migrates sessions, so

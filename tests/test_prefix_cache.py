@@ -106,10 +106,10 @@ def check_invariants(s: Scheduler, reserve_check: bool = False):
     np.testing.assert_array_equal(pool.pins, pins, err_msg="pin count != cache units retaining the page")
     live = (ref > 0) | (pins > 0)
     # no page freed while referenced, no leak: allocated exactly when a row holds it or a unit pins it
-    np.testing.assert_array_equal(pool._in_use, live)
+    np.testing.assert_array_equal(pool.in_use, live)
     assert pool.n_used == int(live.sum()) <= pool.num_pages
     free = pool._free[: pool.n_free]
-    assert np.unique(free).size == free.size and not pool._in_use[free].any()
+    assert np.unique(free).size == free.size and not pool.in_use[free].any()
     assert pool.n_refs == ref.sum() and pool.n_referenced == (ref > 0).sum() and pool.n_shared == (ref > 1).sum()
     assert pool.n_pinned == (pins > 0).sum()
     # every table can hold what it holds
@@ -135,6 +135,16 @@ def check_invariants(s: Scheduler, reserve_check: bool = False):
             assert not pool.ref[u.ids].any() and not pool.ref[u.tail_ids].any()
     if pc is not None:
         assert all(pc.units.get(k) is u for k, u in pc.idle.items())
+        # the incremental choice of copy sources to drop (pages that became the cache's alone, logged by the pool)
+        # is the brute-force one: the oldest unit listing copy sources with a page no row holds and no one else pins
+        tailed = list(pc.tailed.values())
+        assert [u.serial for u in tailed] == sorted(u.serial for u in tailed), "tailed units in registration order"
+        listed = np.zeros(pool.num_pages, dtype=np.int64)
+        for u in tailed:
+            np.add.at(listed, u.tail_ids, 1)
+        np.testing.assert_array_equal(pc.listed, listed, err_msg="listed != tailed units listing the page")
+        want = next((u for u in tailed if ((pool.ref[u.tail_ids] == 0) & (pool.pins[u.tail_ids] == 1)).any()), None)
+        assert pc.droppable() is want, "droppable copy sources differ from a full scan"
     assert s._head_tokens == sum(int(hl.sum()) for *_, hl in rows)
     assert s.live_tokens == physical_live(s, rows)
     if reserve_check:  # Budget Reservation: a prefilled turn holds exactly the pages its tokens need

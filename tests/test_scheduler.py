@@ -24,10 +24,10 @@ def tiny_model(L, H):
 def check_invariants(s: Scheduler):
     parked = sum(int(x.parked.npages.sum()) for x in s.sessions.values() if x.parked is not None)
     assert s.pool.n_used == s.bt.pages_in_use() + parked, "page leaked"
-    assert s.pool._in_use.sum() == s.pool.n_used
+    assert s.pool.in_use.sum() == s.pool.n_used
     # free stack holds distinct pages, none in use
     free = s.pool._free[: s.pool.n_free]
-    assert np.unique(free).size == free.size and not s.pool._in_use[free].any()
+    assert np.unique(free).size == free.size and not s.pool.in_use[free].any()
     # every table can hold what it holds
     rows = [r.row for r in s.running]
     if rows:
@@ -209,24 +209,53 @@ def test_block_table_vectorised_alloc_truncate():
     bt.ensure(np.array([r0]), one)
     assert bt.npages[r0, 0] == 2 * w0 + 1 and bt.pages.shape[2] >= 2 * w0 + 1 and bt.pages.shape[2] % 16 == 0
     bt.release_row(r0)
-    with pytest.raises(AssertionError):
-        pool.free(np.array([0]))
+    with pytest.raises(AssertionError, match="double free"):
+        pool.release(np.array([0]))  # every page is free again: nobody holds page 0
 
 
 @pytest.mark.parametrize("n", [5, 3000])
 def test_pool_free_catches_repeated_ids(n):
-    """Both duplicate checks of PagePool.free (sort for small frees, a flag count for large ones) catch a page id
-    named twice, and a clean free of the same size passes and returns every page."""
-    pool = PagePool(4 * n, 64)
+    """With its checks on, a release naming a page id twice is caught (the repeated page would drop to ref 0 once
+    and reach the free list twice), and a clean release of the same size passes and returns every page."""
+    pool = PagePool(4 * n, 64, check=True)
     ids = pool.alloc(2 * n)
     bad = ids[:n].copy()
     bad[-1] = bad[0]
     with pytest.raises(AssertionError, match="double free"):
-        pool.release(bad)  # the rows' path: the repeated page drops to ref 0 once and reaches free twice
-    pool2 = PagePool(4 * n, 64)
+        pool.release(bad)
+    pool2 = PagePool(4 * n, 64, check=True)
     ids2 = pool2.alloc(2 * n)
     assert pool2.release(ids2[::2]) == n
-    assert pool2.n_free == 3 * n and pool2._in_use.sum() == n and not pool2._in_use[ids2[::2]].any()
+    assert pool2.n_free == 3 * n and pool2.in_use.sum() == n and not pool2.in_use[ids2[::2]].any()
+    assert pool2._free[:pool2.n_free].size == np.unique(pool2._free[:pool2.n_free]).size
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_pool_catches_double_free_across_calls(check):
+    """Checks on or off (the replay's hot path runs with them off), releasing or unpinning a page nobody holds any
+    more fails loudly instead of putting it on the free list twice."""
+    pool = PagePool(64, 64, check=check)
+    ids = pool.alloc(10)
+    assert pool.release(ids[:4]) == 4
+    with pytest.raises(AssertionError, match="double free"):
+        pool.release(ids[3:5])
+    pool.pin(ids[6:8], distinct=True)
+    assert pool.release(ids[6:8]) == 0 and pool.unpin(ids[6:8]) == 2
+    with pytest.raises(AssertionError, match="not pinned"):
+        pool.unpin(ids[6:7])
+    assert pool.n_free == 64 - 10 + 6 and int(pool.in_use.sum()) == pool.n_used
+
+
+def test_pool_checks_flag_default_and_repeats():
+    """The test suite runs every pool with its checks on (tests/conftest.py); an explicit ``check=False`` pool
+    still counts a repeated id of a non-distinct pin twice (a hit's copy sources named by two hits of one step)."""
+    assert PagePool(4, 64).check and not PagePool(4, 64, check=False).check
+    pool = PagePool(8, 64, check=False)
+    ids = pool.alloc(2)
+    pool.pin(np.array([ids[0], ids[0], ids[1]]))
+    assert pool.pins[ids[0]] == 2 and pool.pins[ids[1]] == 1 and pool.n_pinned == 2
+    assert pool.release(ids) == 0
+    assert pool.unpin(np.array([ids[0], ids[1], ids[0]])) == 2 and pool.n_free == 8 and pool.n_pinned == 0
 
 
 def test_ragged_needs_profile():
