@@ -167,8 +167,9 @@ def run(a) -> dict:
 
         probe = run_probe([spec.model], device=device.type, command="tangram-fit-engine --probe") \
             if a.probe == "run" else load_probe(a.probe)
-        prov["reference_probe"] = str(save_probe(probe, directory / REFERENCE_PROBE))
-        print(f"reference probe of {probe['device'].get('name')} written to {prov['reference_probe']}")
+        save_probe(probe, directory / REFERENCE_PROBE)
+        prov["reference_probe"] = REFERENCE_PROBE  # beside this file: a path that travels with the tables
+        print(f"reference probe of {probe['device'].get('name')} written to {directory / REFERENCE_PROBE}")
     path = engine_overhead.save(directory, spec.model.name, ov, stats, prov)
     print("coefficients (s): " + ", ".join(f"{k}={v:.3g}" for k, v in ov.coefficients().items()))
     print(f"fit over {stats['steps']} steps: median |rel err| {stats['median_abs_rel_err']:.3f}, total "
