@@ -170,26 +170,37 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     ``size_bytes[l, i]`` bytes each. The CTAs before the last wave stream at full bandwidth (dynamic dispatch
     hides their imbalance); the last wave is a straggler tail priced as bandwidth shared by the CTAs still
     running, each capped at one CTA's rate (processor sharing over the tail's sorted sizes); each wave adds
-    ``cta_s``. Shared by the AOT regime choice and the simulator's decode pricing."""
+    ``cta_s``. Shared by the AOT regime choice and the simulator's decode pricing.
+
+    Only the tail (at most ``n_occ`` CTAs a row) is materialised: the body is the row's total bytes minus the
+    tail's, so a step costs O(entries + L * n_occ), not O(CTAs) (the simulator prices ~10^5 decode launches)."""
     size_bytes = np.asarray(size_bytes, dtype=np.float64)
     reps = np.asarray(reps).astype(np.int64)
     L = size_bytes.shape[0]
+    size_bytes, reps = size_bytes.reshape(L, -1), reps.reshape(L, -1)
+    if L > 1 and (reps == reps[:1]).all() and (size_bytes == size_bytes[:1]).all():  # e.g. the full cache
+        return np.repeat(wave_time(size_bytes[:1], reps[:1], n_occ, bw, cta_bw, cta_s), L)
     per_layer = reps.sum(axis=1)
     out = np.zeros(L)
-    flat = np.repeat(size_bytes.ravel(), reps.ravel())
-    n = flat.size
-    if n == 0:
+    if not per_layer.any():
         return out
     N = int(n_occ)
-    layer_end = np.cumsum(per_layer)
-    layer_of = np.repeat(np.arange(L), per_layer)
-    from_end = layer_end[layer_of] - np.arange(n) - 1  # 0 = last CTA launched in the layer
     waves = -(-per_layer // N)
-    tail_n = per_layer - N * np.maximum(0, waves - 1)
-    in_tail = from_end < tail_n[layer_of]
-    body = np.bincount(layer_of[~in_tail], weights=flat[~in_tail], minlength=L) / bw
+    tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
+    # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
+    after = np.cumsum(reps[:, ::-1], axis=1)[:, ::-1] - reps
+    k = np.clip(tail_n[:, None] - after, 0, reps)  # CTAs of entry i in the tail
+    total = (size_bytes * reps).sum(axis=1)
+    tail_bytes = (size_bytes * k).sum(axis=1)
+    body = (total - tail_bytes) / bw
+    kf = k.ravel()
+    nz = np.flatnonzero(kf)
+    vals = np.repeat(size_bytes.ravel()[nz], kf[nz])
+    row = np.repeat(nz // size_bytes.shape[1], kf[nz])
+    start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
+    col = np.arange(vals.size) - start[row]
     tail = np.zeros((L, N))
-    tail[layer_of[in_tail], from_end[in_tail]] = flat[in_tail]
+    tail[row, col] = vals
     tail.sort(axis=1)  # ascending; padding zeros first
     diffs = np.diff(tail, axis=1, prepend=0.0)
     active = N - np.arange(N)  # CTAs still running while the j-th smallest finishes

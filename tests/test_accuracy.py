@@ -17,7 +17,7 @@ from hypothesis.extra.numpy import arrays
 from tangram.errors import ConfigError, InputError
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyModel, AccuracyTable
-from tangram.profiles.tasks import TASKS, doc_lines, doc_split_of, make_task, make_text
+from tangram.profiles.tasks import MULTIKEY_NEEDLES, TASKS, doc_lines, doc_split_of, make_task, make_text
 
 # ------------------------------------------------------------------ tasks
 
@@ -48,7 +48,7 @@ def test_tasks_are_seeded_and_their_answers_are_in_the_context():
         assert len(mt.questions) == 3 and len(set(_needles(mt))) == 3
         assert mt.user_message(0).startswith(mt.context) and mt.user_message(1) == mt.questions[1].text
     multi = make_task("niah_multikey", "heldout", 1, 300)
-    assert multi.context.count("One of the special magic numbers for") == 4
+    assert multi.context.count("One of the special magic numbers for") == MULTIKEY_NEEDLES == 2
 
 
 def test_splits_share_no_documentation_topic_and_no_needle():
@@ -402,3 +402,25 @@ def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
     bad = subprocess.run([sys.executable, "-m", "tangram.profiles.accuracy_report", "--scopes", "diagonal", "-o",
                           str(out)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "diagonal" in bad.stderr
+
+
+def test_resume_never_reuses_a_sample_of_an_earlier_task_definition(tmp_path):
+    """A task whose definition changed (its TASK_VERSIONS entry went up) is measured again on resume; rows of
+    unchanged tasks are kept; new rows carry their version and are found again."""
+    from tangram.profiles.accuracy_report import _Book
+    from tangram.profiles.tasks import task_version
+    assert task_version("niah_multikey") == 2 and task_version("passkey") == 1
+    path, fp = tmp_path / "partial.jsonl", {"x": 1}
+    old = {"kind": "task", "task": "niah_multikey", "index": 0, "length": 512, "correct": [True]}  # v1: no field
+    same = {"kind": "task", "task": "passkey", "index": 0, "length": 512, "correct": [True]}
+    path.write_text("\n".join(json.dumps(x) for x in (
+        {"fingerprint": json.dumps(fp, sort_keys=True)},
+        {"job": ["task", "niah_multikey", 0, 512], "result": old},
+        {"job": ["task", "passkey", 0, 512], "result": same})) + "\n")
+    b = _Book(path, fp, fresh=False)
+    assert b.has(("task", "passkey", 0, 512)) and not b.has(("task", "niah_multikey", 0, 512))
+    assert [r["task"] for r in b.done.values()] == ["passkey"]
+    b.add({**old, "task_version": 2})
+    b.close()
+    again = _Book(path, fp, fresh=False)
+    assert again.has(("task", "niah_multikey", 0, 512)) and len(again.done) == 2

@@ -24,6 +24,7 @@ from tangram.cli import Parser, cli_main
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import SCOPES, Mode
+from tangram.profiles.tasks import task_version
 
 HEADLINE_TURN = 1  # mt_niah's headline is its first follow-up turn (index 1): the question-agnostic case
 LENGTH_FLOOR = 0.8  # a task's length is the longest whose full-cache accuracy provably clears this (choose_length)
@@ -305,11 +306,14 @@ class _Book:
                         d = json.loads(ln)
                     except json.JSONDecodeError:  # a line cut by a kill
                         continue
-                    self.done[json.dumps(d["job"])] = d["result"]
+                    r = d["result"]
+                    if r.get("kind") in ("task", "curve") and r.get("task_version", 1) != task_version(r["task"]):
+                        continue  # measured on an earlier definition of the task: measured again
+                    self.done[json.dumps(d["job"])] = r
         self.f = None
 
     def has(self, job: tuple) -> bool:
-        return json.dumps(list(job)) in self.done
+        return json.dumps(_versioned(list(job))) in self.done
 
     def add(self, r: dict) -> None:
         if self.f is None:
@@ -324,9 +328,16 @@ class _Book:
             self.f.close()
 
 
+def _versioned(job: list) -> list:
+    """A task job's key names the task's definition when it is not the first (earlier rows then never match)."""
+    if job[0] in ("task", "curve") and task_version(job[1]) > 1:
+        return job + [f"v{task_version(job[1])}"]
+    return job
+
+
 def _job_of(r: dict) -> list:
     if r["kind"] in ("task", "curve"):
-        return [r["kind"], r["task"], r["index"], r["length"]]
+        return _versioned([r["kind"], r["task"], r["index"], r["length"]])
     return [r["kind"], r["index"]]
 
 

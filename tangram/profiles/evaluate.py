@@ -38,6 +38,7 @@ from tangram.budgets import BudgetProfile, calibrate
 from tangram.engine.model import Session, TorchAttention
 from tangram.errors import ConfigError
 from tangram.profiles.scoring import budget_tokens, global_topk_mask, make_scorer, per_head_topk_mask
+from tangram.profiles.tasks import task_version
 
 SCOPES = ("per-layer", "cross-layer", "uniform")
 POLICIES = ("full", "uniform", "dynamic", "tangram")
@@ -612,7 +613,8 @@ def _run_job(job: tuple) -> dict:
                             free_check=(len(turns[0][1]) + 4, dec) if kind == "task" and o.get("free_check", True)
                             else None,
                             tokenizer=tok)
-        out = {"kind": kind, "task": task, "index": index, "length": length, "prompt_tokens": len(turns[0][0]),
+        out = {"kind": kind, "task": task, "task_version": task_version(task), "index": index, "length": length,
+               "prompt_tokens": len(turns[0][0]),
                "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
                "seconds": r.seconds, "split": split, "depth": s.meta.get("depth", s.meta.get("depths"))}
         if kind == "task" and _W["task_model"] is not model and index < o.get("dtype_check", 0):

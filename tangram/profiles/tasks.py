@@ -9,18 +9,26 @@ forcing (see :mod:`tangram.profiles.evaluate`).
 * ``passkey``: the pass key (5 digits) hidden in repeated filler sentences.
 * ``niah_single``: one "special magic number" (7 digits) for a word key hidden
   in Python's own documentation text (``pydoc_data.topics``).
-* ``niah_multikey``: four needles with different keys in the same haystack;
-  the question asks for one of them.
+* ``niah_multikey``: two needles with different keys in the same haystack;
+  the question asks for one of them (the other is the distractor). RULER's
+  ``niah_multikey_1`` has four keys: SmolLM2-135M's full cache solves four
+  keys at 70-81% (three: 85% at 512 tokens, 78% at 1024; two: 93% / 85%, 60
+  ``calib`` samples each, tangram-accuracy's full-cache curve), so version 2
+  of the task has two (version 1, four keys, is in git history).
 * ``vt``: RULER's variable-tracking context -- a chain ``VAR A = 12345``,
   ``VAR B = VAR A``, ``VAR C = VAR B`` hidden in filler -- asked for the
   variable that holds the value (``A``; ``B`` and ``C`` are distractors that
   share the chain). SmolLM2-135M cannot follow a hop: RULER's question (all
   variables of the chain) and one-hop questions ("which variable is assigned
   the value of VAR B?") scored 0/8 and 9-10/16 at ~360 tokens, near guessing.
-* ``mt_niah``: SCBench-style multi-turn over a shared context: four needles in
-  a documentation haystack, one question per turn; only the first turn's
-  question is in the prompt the engine compresses, later questions arrive
-  after the context was compressed.
+* ``mt_niah``: SCBench-style multi-turn over a shared context: one needle per
+  turn in a documentation haystack, each asked once, one question per turn
+  (every other needle is a distractor for it); only the first turn's question
+  is in the prompt the engine compresses, later questions arrive after the
+  context was compressed. Version 1 had four needles for two turns: its
+  follow-up scored 65-85% on the full cache (no length with a 95% lower bound
+  >= 80%); one needle per turn scores 90% / 92% (turn 1 / follow-up) at 512
+  tokens (60 ``calib`` samples).
 
 ``kl_text`` samples are plain documentation passages (a context and a
 continuation) for the KL divergence of next-token distributions.
@@ -46,6 +54,15 @@ from tangram.errors import ConfigError
 TASKS = ("passkey", "niah_single", "niah_multikey", "vt", "mt_niah")
 KL_TASK = "kl_text"
 SPLITS = {"calib": 0, "heldout": 1}
+# A task's definition changes -> its version goes up, so results measured on the old one are never reused.
+TASK_VERSIONS = {**{t: 1 for t in TASKS}, "niah_multikey": 2, "mt_niah": 2}
+MULTIKEY_NEEDLES = 2  # niah_multikey v2 (v1: 4)
+
+
+def task_version(task: str) -> int:
+    return TASK_VERSIONS.get(task, 1)
+
+
 _TASK_IDS = {t: i for i, t in enumerate(TASKS + (KL_TASK,))}
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -242,13 +259,13 @@ def _builder(task: str, rng, split: str, n_turns: int):
     if task == "niah_single":
         return _build_niah(rng, split, n_turns, 1, 1)
     if task == "niah_multikey":
-        return _build_niah(rng, split, n_turns, 4, 1)
+        return _build_niah(rng, split, n_turns, MULTIKEY_NEEDLES, 1)
     if task == "vt":
         return _build_vt(rng, split, n_turns)
     if task == "mt_niah":
         if not 2 <= n_turns <= 4:
             raise ConfigError(f"mt_niah needs 2..4 turns, got {n_turns}")
-        return _build_niah(rng, split, n_turns, 4, n_turns)
+        return _build_niah(rng, split, n_turns, n_turns, n_turns)  # v2: one needle per turn (v1: 4)
     raise ConfigError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
 
 
