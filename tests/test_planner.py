@@ -71,6 +71,45 @@ def test_tiled_wave_time_equals_the_materialised_batch():
         np.testing.assert_allclose(a, b, rtol=1e-12)
 
 
+def _wave_time_per_cta(size, reps, n_occ, bw, cta_bw, cta_s):
+    """Reference: every CTA materialised in launch order, one layer at a time, in float64."""
+    out = []
+    for sz, rp in zip(size, reps):
+        cta = np.repeat(sz, rp)
+        n = cta.size
+        if n == 0:
+            out.append(0.0)
+            continue
+        waves = -(-n // n_occ)
+        tail = np.sort(cta[(waves - 1) * n_occ:])
+        body = cta[:(waves - 1) * n_occ].sum() / bw
+        t, prev = 0.0, 0.0
+        for j, x in enumerate(tail):  # processor sharing among the CTAs still running
+            active = tail.size - j
+            t += (x - prev) * max(active / bw, 1.0 / cta_bw)
+            prev = x
+        out.append(body + t + waves * cta_s)
+    return np.array(out)
+
+
+def test_wave_time_equals_the_per_cta_reference():
+    """Only the last wave is materialised: equal to pricing every CTA, with empty layers, layers of fewer CTAs
+    than one wave, and identical layers (priced once)."""
+    from tangram.planner import wave_time
+
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    for _ in range(60):
+        L, M, N = int(rng.integers(1, 5)), int(rng.integers(1, 30)), int(rng.integers(1, 50))
+        size = rng.uniform(1.0, 1e4, (L, M))
+        reps = rng.integers(0, 7, (L, M))
+        if rng.random() < 0.3:  # identical layers
+            size, reps = np.tile(size[:1], (L, 1)), np.tile(reps[:1], (L, 1))
+        if rng.random() < 0.1:
+            reps[0] = 0
+        got = wave_time(size, reps, N, 2.0, 0.5, 0.01)
+        np.testing.assert_allclose(got, _wave_time_per_cta(size, reps, N, 2.0, 0.5, 0.01), rtol=1e-10, atol=1e-12)
+
+
 def test_regime_choice_keeps_the_baseline_split_without_a_clear_gain():
     """Uniform lengths: nothing beats FlashDecoding's split by the margin, so every layer runs exactly it (no
     split when it says one); long skewed contexts: Algorithm 1's balance is predicted to pay and is chosen."""
