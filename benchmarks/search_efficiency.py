@@ -75,7 +75,7 @@ def run_grid(args, ev, space) -> dict:
     for p in grid_points(space):
         if _key(p) in table:
             continue
-        fid = ev.fidelity(p["alpha"])
+        fid = ev.fidelity(p)(p["alpha"])
         if fid["overflow"] > args.bound:  # infeasible: no simulation needed
             table[_key(p)] = {**fid, "load_rps": None, "feasible": False}
         else:

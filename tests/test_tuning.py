@@ -207,3 +207,53 @@ def test_paper_default_stands_in_for_models_without_hp4():
     assert small.heads_per_group == (1, 3) and paper_default_params(small)["heads_per_group"] == 3
     assert paper_default_params(SearchSpace.for_model(get_model("llama-3.1-8b")))["heads_per_group"] == 4
     assert paper_default_params()["heads_per_group"] == 4
+
+
+def test_operating_point_search_prices_each_point_with_its_own_profile(tmp_path, tiny_trace):
+    """--rho/--score-method/--budget-scope with several values: each trial takes the shipped profile of its
+    (rho, scorer, scope), records the KV share of that profile at its alpha and the accuracy the measured table
+    has on that scorer's and scope's curve; the best configuration names its point and an impossible combination
+    (pyramidkv cross-layer) is pruned, never simulated."""
+    import dataclasses
+    from tangram.profiles.accuracy import AccuracyModel
+    from tangram.profiles.registry import default_profile_path
+    from tangram.budgets import BudgetProfile
+    from tangram.tuning.space import SearchSpace as SS, paper_default_params
+
+    model = get_model("smollm2-135m")
+    sp = SS.for_model(model, rho=(0.75, 0.25), score_method=("kvzip", "pyramidkv"),
+                      budget_scope=("per-layer", "cross-layer"), fixed={"mode": "tangram"})
+    assert {"rho", "score_method", "budget_scope"} <= set(sp.searched) and sp.rho == (0.25, 0.75)
+    assert paper_default_params(sp)["rho"] == 0.25 and paper_default_params(sp)["score_method"] == "kvzip"
+    one = SS.for_model(model, rho=(0.5,), fixed={"mode": "tangram"})
+    assert "rho" not in one.searched and one.engine({}).rho == 0.5
+
+    out = tmp_path / "out"
+    r = _tune([str(tiny_trace), "--model", "smollm2-135m", "--trials", "8", "--out", str(out), "--objective-fast",
+               "--slo", "ttft_p99=60s", "--objective", "constrained", "--seed", "1", "--rho", "0.25", "0.75",
+               "--score-method", "kvzip", "pyramidkv", "--budget-scope", "per-layer", "cross-layer",
+               "--accuracy-floor", "0.5"])
+    assert r.returncode == 0, r.stderr
+    import optuna
+    st = optuna.load_study(study_name="tangram-tune", storage=f"sqlite:///{out / 'study.db'}")
+    done = [t for t in st.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    pruned = [t for t in st.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert done and all(not (t.params["score_method"] == "pyramidkv" and t.params["budget_scope"] == "cross-layer")
+                        for t in done)
+    assert all(t.params.get("score_method") == "pyramidkv" and t.params.get("budget_scope") == "cross-layer"
+               for t in pruned)
+    acc0, _ = AccuracyModel.for_run(model.name, None)
+    for t in done:
+        p = t.params
+        path = default_profile_path(model.name, p["score_method"], p["budget_scope"], p["rho"])
+        prof = BudgetProfile.load(path)
+        assert p["score_method"] in t.user_attrs["profile"] and path.name in t.user_attrs["profile"]
+        assert t.user_attrs["kv_share"] == pytest.approx(float(prof.with_alpha(p["alpha"]).B.mean()), rel=1e-9)
+        want = dataclasses.replace(acc0, scorer=p["score_method"], scope=p["budget_scope"]).estimate(
+            "tangram", prof, p["alpha"], p["rho"])
+        assert t.user_attrs["accuracy"] == pytest.approx(want.value, rel=1e-9)
+    cfg = json.loads((out / "best_config.json").read_text())
+    summ = json.loads((out / "summary.json").read_text())
+    for k in ("rho", "score_method", "budget_scope"):
+        assert cfg[k] == summ["best_params"][k]
+    assert "operating point" in (out / "report.md").read_text()

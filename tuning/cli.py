@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     # tensor parallelism: the TP degrees and placements searched (EngineConfig's tp and placement fields)
     add_sweep(p, "tp", "tensor-parallel degrees to search (several: the objective is load per GPU)")
     add_sweep(p, "placement", "KV-head placements to search under tp > 1")
+    # the compression operating point: several values are searched, each priced with its own shipped profile
+    add_sweep(p, "rho", "target kept shares to search (each with the profile calibrated at it)")
+    add_sweep(p, "score_method", "scoring methods to search")
+    add_sweep(p, "budget_scope", "budget scopes to search")
     p.add_argument("--objective", default="pareto", choices=["pareto", "constrained"],
                    help="pareto: maximise load and minimise overflow; constrained: maximise load s.t. "
                         "overflow <= --overflow-bound")
@@ -74,14 +78,20 @@ def _build(args):
         raise ConfigError("--fast-rate-scale and --capacity-start must be > 0, --capacity-iters >= 0")
     # the tuned engine starts from the space's fixed fields (mode tangram, EngineConfig's defaults): the default
     # profile is the one calibrated for them; every trial picks its own H_p among the model's divisors
-    spec = from_cli(args, modes="tangram", heads_per_group=1)
+    point = {n: getattr(args, n)[0] for n in ("rho", "score_method", "budget_scope") if len(set(getattr(args, n))) == 1}
+    if len(point) < 3 and spec_overrides(args).get("profile"):
+        raise ConfigError("--profile fixes the budget profile; several --rho/--score-method/--budget-scope values "
+                          "search the shipped profiles instead (give one or the other)")
+    spec = from_cli(args, modes="tangram", heads_per_group=1, **point)
     model, gpu, profile, tables = spec.model, spec.gpu, spec.profile, spec.tables
     if spec.trace:
         spec.trace = str(Path(spec.trace).resolve())  # the study's setup names the trace, wherever it was run from
     trace_path, trace = spec.trace_path, spec.load_trace()
     slo_text = spec.slo or DEFAULT_SLO
     slo = spec.slo_targets(DEFAULT_SLO)
-    space = SearchSpace.for_model(model, tp=tuple(args.tp), placement=tuple(args.placement), fixed={"mode": "tangram"})
+    space = SearchSpace.for_model(model, tp=tuple(args.tp), placement=tuple(args.placement), rho=tuple(args.rho),
+                                  score_method=tuple(args.score_method), budget_scope=tuple(args.budget_scope),
+                                  fixed={"mode": "tangram"})
     from tangram.profiles.accuracy import AccuracyModel
 
     if args.accuracy_floor is not None and not (0 < args.accuracy_floor <= 1):

@@ -21,6 +21,7 @@ scorer and scope, and that accuracy relative to the full cache's (``accuracy_rel
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -67,26 +68,46 @@ class Evaluator:
     capacity_tol: float = 0.08
     overflow_samples: int = 256
     accuracy: object = None  # tangram.profiles.accuracy.AccuracyModel, or None when not measured
-    _fid: Fidelity | None = field(default=None, repr=False)
+    _fid: dict = field(default_factory=dict, repr=False)
+    _profiles: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def fidelity(self) -> Fidelity:
-        if self._fid is None:
-            self._fid = Fidelity(self.profile, self.overflow_samples, self.seed)
-        return self._fid
+    def profile_for(self, params: dict) -> tuple[BudgetProfile, str | None]:
+        """The budget profile a trial prices with: the study's, unless the space searches the operating point
+        (rho, scorer, scope), where each point takes the shipped calibration of exactly that point (or a synthetic
+        profile, labelled: tangram.profiles.registry.default_profile). Returns (profile, label or None)."""
+        from .space import OPERATING_POINT
+
+        if not any(n in self.space.searched for n in OPERATING_POINT):
+            return self.profile, None
+        e = self.space.engine(params)
+        key = (e.rho, e.score_method, e.budget_scope)
+        if key not in self._profiles:
+            from tangram.profiles.registry import default_profile
+
+            self._profiles[key] = default_profile(self.model, e.rho, 2.0, self.seed, e.score_method, e.budget_scope)
+        return self._profiles[key]
+
+    def fidelity(self, params: dict) -> Fidelity:
+        prof, _ = self.profile_for(params)
+        if id(prof) not in self._fid:
+            self._fid[id(prof)] = Fidelity(prof, self.overflow_samples, self.seed)
+        return self._fid[id(prof)]
 
     def spec(self, params: dict):
         from tangram.spec import DeploymentSpec
 
-        return DeploymentSpec(self.model, self.gpu, self.space.engine(params), self.profile, 1, "session-affinity",
-                       self.seed, self.tables)
+        return DeploymentSpec(self.model, self.gpu, self.space.engine(params), self.profile_for(params)[0], 1,
+                              "session-affinity", self.seed, self.tables)
 
     def __call__(self, params: dict) -> dict:
         from tangram.harness import meets_slo, offered_rps
         from tangram.sim.run import capacity_search, simulate
 
         spec = self.spec(params)
-        out = dict(self.fidelity(params["alpha"]))
+        out = dict(self.fidelity(params)(params["alpha"]))
+        label = self.profile_for(params)[1]
+        if label is not None:
+            out["profile"] = label
         out.update(self.accuracy_of(params))
         mode = spec.engine.mode
         if self.objective == "fast":
@@ -120,6 +141,14 @@ class Evaluator:
         if self.accuracy is None:
             return {"accuracy": None, "accuracy_rel": None, "kv_share": None}
         e = self.space.engine(params)
-        est = self.accuracy.estimate(e.mode, self.profile, e.alpha, e.rho)
+        prof, label = self.profile_for(params)
+        acc, mode = self.accuracy, e.mode
+        if label is not None:  # a searched operating point: that scorer's and scope's curve
+            if label.startswith("synthetic") or e.score_method not in acc.table.scorers():
+                return {"accuracy": None, "accuracy_rel": None, "kv_share": None}  # nothing measured there
+            acc = dataclasses.replace(acc, scorer=e.score_method, scope=e.budget_scope)
+            if e.budget_scope == "uniform":
+                mode = "uniform"  # constant budgets: the table's uniform curve
+        est = acc.estimate(mode, prof, e.alpha, e.rho)
         return {"accuracy": est.value, "accuracy_rel": est.relative, "kv_share": est.kv_share,
                 "accuracy_full": est.full}

@@ -92,6 +92,10 @@ def _acc_cells(m: dict) -> str:
 
 def _accuracy_sentence(bm: dict, setup: Setup, label: str | None) -> str:
     """What accuracy the tuned configuration was tuned at, and on what it stands."""
+    if bm.get("profile"):  # the study searched the operating point: the curve of this trial's scorer and scope
+        label = (f"measured on {setup.model} at this configuration's operating point (rho, scorer, scope from "
+                 f"its parameters), budget profile {bm['profile']}"
+                 + (f"; table {setup.accuracy_table}" if getattr(setup, "accuracy_table", None) else ""))
     if bm.get("accuracy") is None:
         return "Accuracy: " + (label or "not measured") + "."
     floor = "" if setup.accuracy_floor is None else (

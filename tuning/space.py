@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from tangram.config import EngineConfig, ModelConfig, divisors
 from tangram.errors import ConfigError
 
+OPERATING_POINT = ("rho", "score_method", "budget_scope")  # EngineConfig fields that choose the budget profile
 # the paper's default operating point (H_p = 4, alpha = 2, every other field at EngineConfig's default)
 PAPER_DEFAULT = {"heads_per_group": 4, "alpha": 2.0}
 _ENGINE = EngineConfig()  # the defaults of the fields a study does not search
@@ -37,10 +38,18 @@ class SearchSpace:
     tp: tuple[int, ...] = (_ENGINE.tp,)
     placement: tuple[str, ...] = (_ENGINE.placement,)
     num_kv_heads: int = 0
+    # the compression operating point (issue 15): target ratio, scorer and budget scope, searched only when given
+    # more than one choice; each draw prices with the profile calibrated for it (Evaluator.profile_for) and states
+    # the accuracy measured there, so an accuracy floor can pick a point that keeps enough
+    rho: tuple[float, ...] = (_ENGINE.rho,)
+    score_method: tuple[str, ...] = (_ENGINE.score_method,)
+    budget_scope: tuple[str, ...] = (_ENGINE.budget_scope,)
 
     @classmethod
     def for_model(cls, model: ModelConfig, tp: tuple[int, ...] = (_ENGINE.tp,),
-                  placement: tuple[str, ...] = (_ENGINE.placement,), **kw) -> "SearchSpace":
+                  placement: tuple[str, ...] = (_ENGINE.placement,), rho: tuple[float, ...] = (_ENGINE.rho,),
+                  score_method: tuple[str, ...] = (_ENGINE.score_method,),
+                  budget_scope: tuple[str, ...] = (_ENGINE.budget_scope,), **kw) -> "SearchSpace":
         """H_p choices: the divisors of a rank's KV heads at the smallest TP degree searched."""
         from tangram.placement import check_tp
 
@@ -48,17 +57,20 @@ class SearchSpace:
         for t in tp:
             check_tp(model.num_kv_heads, t)
         fixed = dict(kw.pop("fixed", {}))
-        if len(tp) == 1 and tp[0] != _ENGINE.tp:
-            fixed["tp"] = tp[0]
-        if len(placement) == 1 and placement[0] != _ENGINE.placement:
-            fixed["placement"] = placement[0]
+        rho = tuple(sorted(set(float(r) for r in rho)))
+        score_method, budget_scope = tuple(dict.fromkeys(score_method)), tuple(dict.fromkeys(budget_scope))
+        for name, v in (("tp", tp), ("placement", placement), ("rho", rho), ("score_method", score_method),
+                        ("budget_scope", budget_scope)):
+            if len(v) == 1 and v[0] != getattr(_ENGINE, name):
+                fixed[name] = v[0]
         return cls(heads_per_group=tuple(divisors(model.num_kv_heads // tp[0])), tp=tp, placement=placement,
-                   num_kv_heads=model.num_kv_heads, fixed=fixed, **kw)
+                   num_kv_heads=model.num_kv_heads, fixed=fixed, rho=rho, score_method=score_method,
+                   budget_scope=budget_scope, **kw)
 
     @property
     def searched(self) -> tuple[str, ...]:
         """The categorical fields a trial draws (tp and placement only when they have a choice)."""
-        extra = tuple(n for n in ("tp", "placement") if len(getattr(self, n)) > 1)
+        extra = tuple(n for n in ("tp", "placement") + OPERATING_POINT if len(getattr(self, n)) > 1)
         return ("clustering", "n_cta_scale", "split_rounding", "page_size", "chunk_size", "max_batched_tokens") + extra
 
     def suggest(self, trial) -> dict:
@@ -67,6 +79,16 @@ class SearchSpace:
         p["alpha"] = trial.suggest_float("alpha", self.alpha_lo, self.alpha_hi, step=self.alpha_step)
         for name in self.searched:
             p[name] = trial.suggest_categorical(name, list(getattr(self, name)))
+        if any(n in p for n in OPERATING_POINT):
+            from tangram.budgets import check_method_scope
+
+            try:
+                check_method_scope(p.get("score_method", self.fixed.get("score_method", _ENGINE.score_method)),
+                                   p.get("budget_scope", self.fixed.get("budget_scope", _ENGINE.budget_scope)))
+            except ConfigError as e:
+                import optuna
+
+                raise optuna.TrialPruned(str(e)) from None
         tp = p.get("tp", self.fixed.get("tp", _ENGINE.tp))
         if self.num_kv_heads and (self.num_kv_heads // tp) % p["heads_per_group"]:
             import optuna
@@ -85,7 +107,7 @@ class SearchSpace:
     def contains(self, params: dict) -> bool:
         """Whether an enqueued configuration lies inside the space (Optuna would warn and re-sample otherwise)."""
         for name in ("heads_per_group",) + self.searched:
-            if name in ("tp", "placement") and name not in params:  # drawn by the sampler when enqueued without
+            if name in ("tp", "placement") + OPERATING_POINT and name not in params:  # drawn by the sampler when enqueued without
                 continue
             if params[name] not in getattr(self, name):
                 return False
@@ -116,6 +138,13 @@ def paper_default_params(space: "SearchSpace | None" = None) -> dict:
     if space is not None and hp not in space.heads_per_group:
         below = [h for h in space.heads_per_group if h <= hp]
         hp = max(below) if below else min(space.heads_per_group)
-    return {"heads_per_group": hp, "alpha": PAPER_DEFAULT["alpha"],
-            "clustering": e.clustering, "n_cta_scale": e.n_cta_scale, "split_rounding": e.split_rounding,
-            "page_size": e.page_size, "chunk_size": e.chunk_size, "max_batched_tokens": e.max_batched_tokens}
+    out = {"heads_per_group": hp, "alpha": PAPER_DEFAULT["alpha"],
+           "clustering": e.clustering, "n_cta_scale": e.n_cta_scale, "split_rounding": e.split_rounding,
+           "page_size": e.page_size, "chunk_size": e.chunk_size, "max_batched_tokens": e.max_batched_tokens}
+    # a searched operating point: the engine's default where the space has it (the paper's rho 0.25, Ada-SnapKV
+    # per-layer), else the space's first choice
+    for name in OPERATING_POINT:
+        if space is not None and name in space.searched:
+            choices = getattr(space, name)
+            out[name] = getattr(e, name) if getattr(e, name) in choices else choices[0]
+    return out
