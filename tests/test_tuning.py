@@ -257,3 +257,14 @@ def test_operating_point_search_prices_each_point_with_its_own_profile(tmp_path,
     for k in ("rho", "score_method", "budget_scope"):
         assert cfg[k] == summ["best_params"][k]
     assert "operating point" in (out / "report.md").read_text()
+
+
+def test_constant_budgets_never_overflow():
+    """A profile without spread (TOVA's per-layer budgets are equal over a layer's heads): every draw equals its
+    budget, rescaled to the layer's target only up to rounding, so nothing overflows at any alpha."""
+    from tangram.budgets import BudgetProfile
+    L, H = 4, 3
+    prof = BudgetProfile(np.full((L, H), 0.75), np.zeros((L, H)), alpha=2.0, rho=0.75, method="tova", model="x")
+    fid = Fidelity(prof, n=64, seed=int(np.random.default_rng().integers(1 << 30)))
+    for a in (0.0, 2.0):
+        assert fid(a) == {"overflow": 0.0, "overflow_unweighted": 0.0, "lost_share": 0.0}
