@@ -219,9 +219,9 @@ def test_memory_matched_controls_keep_tangrams_token_count():
     L, H, T = 5, 3, 97
     B = rng.uniform(0.05, 1.0, (L, H))
     scores = torch.from_numpy(rng.normal(size=(L, H, T)))
-    tang = Mode("tangram", "s", "per-layer", 0.3, alpha=2.0, budgets=B).select(scores)
+    tang = Mode("tangram", "ada-snapkv", "per-layer", 0.3, alpha=2.0, budgets=B).select(scores)
     for policy, scope in (("dynamic", "per-layer"), ("dynamic", "cross-layer"), ("uniform", "uniform")):
-        ctrl = Mode(policy, "s", scope, 0.3, match=B, match_label="tangram a=2").select(scores)
+        ctrl = Mode(policy, "ada-snapkv", scope, 0.3, match=B, match_label="tangram a=2").select(scores)
         # equal bytes up to rounding: per layer (per-layer), once (cross-layer) or per head (uniform)
         assert abs(int(ctrl.sum()) - int(tang.sum())) <= L * H
     assert int(tang.sum()) == sum(min(T, math.ceil(b * T)) for b in B.ravel())
@@ -325,7 +325,8 @@ def _many_modes(L, H, scorers, seed=0):
     for s in scorers:
         B = rng.uniform(0.2, 1.0, (L, H))
         modes += [Mode("uniform", s, "uniform", 0.5), Mode("dynamic", s, "per-layer", 0.5),
-                  Mode("dynamic", s, "cross-layer", 0.25), Mode("uniform", s, "uniform", 0.999),
+                  *([] if s == "pyramidkv" else [Mode("dynamic", s, "cross-layer", 0.25)]),
+                  Mode("uniform", s, "uniform", 0.999),
                   Mode("tangram", s, "per-layer", 0.5, alpha=2.0, budgets=B),
                   Mode("tangram", s, "per-layer", 1.0, alpha=0.0, budgets=np.ones((L, H))),  # keeps everything
                   Mode("dynamic", s, "per-layer", 0.5, match=B, match_label="tangram a=2"),
@@ -337,7 +338,8 @@ def test_shared_state_evaluation_equals_one_row_per_mode(smollm2):
     """The report's evaluation shares a row between modes whose selections are equal and scores each chunk once
     per state; the reference gives every mode its own row. Same verdicts, first wrong positions, kept shares
     and KL on a multi-turn sample split into several chunks (rows split at later chunks), a one-chunk sample
-    and a KL passage, with scorers whose selections coincide (pyramidkv's scores are SnapKV's) and KVzip."""
+    and a KL passage, with scorers whose scores coincide (pyramidkv's are SnapKV's; its selections follow its
+    layer schedule) and KVzip."""
     from accuracy_reference import evaluate_sample_per_mode
     from tangram.profiles.evaluate import answer_ids, build_task_sample, evaluate_sample, prompt_ids
     from tangram.profiles.evaluate import word_continuation_mask
@@ -424,3 +426,25 @@ def test_resume_never_reuses_a_sample_of_an_earlier_task_definition(tmp_path):
     b.close()
     again = _Book(path, fp, fresh=False)
     assert again.has(("task", "niah_multikey", 0, 512)) and len(again.done) == 2
+
+
+def test_pyramidkv_modes_follow_its_layer_schedule_as_the_engine_does():
+    """The evaluation's dynamic and uniform selections are the engine's (kernels' scope_keep_mask): PyramidKV's
+    layers keep their pyramid shares (not rho each, which made its rows SnapKV's), other scorers rho per layer;
+    pyramidkv has no cross-layer mode and no cross-layer profile is asked for."""
+    from tangram.budgets import pyramid_ratios
+    from tangram.profiles.evaluate import Mode, ProfileStore, build_modes
+    from tangram.profiles.scoring import budget_tokens
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    L, H, T, rho = 6, 3, 64, 0.25
+    scores = torch.from_numpy(rng.standard_normal((L, H, T)))
+    want = budget_tokens(pyramid_ratios(L, rho), H * T)  # kept per layer, over its heads
+    got = Mode("dynamic", "pyramidkv", "per-layer", rho).select(scores).sum(dim=(1, 2)).numpy()
+    assert (got == want).all() and len(set(got.tolist())) > 1
+    uni = Mode("uniform", "pyramidkv", "uniform", rho).select(scores).sum(-1).numpy()  # [L, H]
+    assert (uni == budget_tokens(pyramid_ratios(L, rho), T)[:, None]).all()
+    snap = Mode("dynamic", "ada-snapkv", "per-layer", rho).select(scores).sum(dim=(1, 2)).numpy()
+    assert (snap == int(np.ceil(rho * H * T))).all()
+    modes, notes = build_modes(L, H, ["pyramidkv"], ["per-layer", "cross-layer", "uniform"], [rho], [2.0],
+                               ProfileStore("nomodel", []))
+    assert not any(m.scope == "cross-layer" for m in modes) and any("cross-layer: skipped" in n for n in notes)

@@ -215,6 +215,7 @@ def run(args, lists: dict, out: Path) -> dict:
                                matched=not args.no_matched)
     calibrated = []
     missing = sorted({(s, sc, r) for s in lists["scorers"] for sc in lists["scopes"] if sc != "uniform"
+                      and not (s == "pyramidkv" and sc == "cross-layer")  # no such mode (check_method_scope)
                       for r in lists["rhos"] if store.get(s, sc, r) is None})
     if missing and args.calibrate_missing > 0:
         needs: dict[str, set[str]] = {}

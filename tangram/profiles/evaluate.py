@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from tangram.budgets import BudgetProfile, calibrate
 from tangram.engine.model import Session, TorchAttention
 from tangram.errors import ConfigError
-from tangram.profiles.scoring import budget_tokens, global_topk_mask, make_scorer, per_head_topk_mask
+from tangram.profiles.scoring import budget_tokens, make_scorer, per_head_topk_mask, scope_keep_mask
 from tangram.profiles.tasks import task_version
 
 SCOPES = ("per-layer", "cross-layer", "uniform")
@@ -58,15 +58,15 @@ def crosslayer_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
     return mask.reshape(scores.shape)
 
 
-def scope_mask(scores: torch.Tensor, rho: float, scope: str) -> torch.Tensor:
-    """A compression method's own (dynamic) selection at a budget scope; scores [L, H, T]."""
-    if scope == "per-layer":  # Ada-KV: each layer keeps rho of its tokens, spread over its heads by score
-        return global_topk_mask(scores, rho)
-    if scope == "cross-layer":
-        return crosslayer_topk_mask(scores, rho)
-    if scope == "uniform":
-        return per_head_topk_mask(scores, rho)
-    raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
+def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv") -> torch.Tensor:
+    """A compression method's own (dynamic) selection at a budget scope; scores [L, H, T]. The engine's own
+    selection (``scope_keep_mask``): per-layer, each layer keeps its target share (rho; PyramidKV's schedule for
+    ``pyramidkv``) spread over its heads by score (Ada-KV); cross-layer, one top-k over everything; uniform, each
+    head its layer's target. (Before 2026-11-24 this evaluation gave every layer rho, so PyramidKV's dynamic and
+    uniform rows were SnapKV's.)"""
+    if scope not in SCOPES:
+        raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
+    return scope_keep_mask(scores, rho, scope, method)
 
 
 @dataclass
@@ -108,8 +108,8 @@ class Mode:
         L, H, T = scores.shape
         r = self.keep_ratio(L, H, T)
         if self.policy == "uniform":
-            return per_head_topk_mask(scores, r)
-        return scope_mask(scores, r, self.scope)
+            return scope_mask(scores, r, "uniform", self.scorer)
+        return scope_mask(scores, r, self.scope, self.scorer)
 
 
 # --------------------------------------------------------------------------- profiles
@@ -162,6 +162,11 @@ def build_modes(L: int, H: int, scorers: list[str], scopes: list[str], rhos: lis
             if "uniform" in scopes:
                 modes.append(Mode("uniform", s, "uniform", r))
             for scope in (x for x in scopes if x != "uniform"):
+                if s == "pyramidkv" and scope == "cross-layer":  # its schedule fixes each layer's budget
+                    if r == rhos[0]:
+                        notes.append(f"{s} {scope}: skipped (PyramidKV's schedule fixes each layer's budget; "
+                                     "tangram.budgets.check_method_scope)")
+                    continue
                 modes.append(Mode("dynamic", s, scope, r))
                 found = profiles.get(s, scope, r)
                 if found is None:
@@ -529,7 +534,8 @@ def retention_of_prompt(model, ids: list[int], needs: dict[str, set[str]], rhos:
         use = [x for x in chunks[s] if x.shape[-1] == full]
         for scope in scopes:
             for r in rhos:
-                out[(s, scope, r)] = np.stack([scope_mask(x, r, scope).sum(-1).double().numpy() / full for x in use])
+                out[(s, scope, r)] = np.stack([scope_mask(x, r, scope, s).sum(-1).double().numpy() / full
+                                               for x in use])
     return out
 
 
