@@ -448,3 +448,23 @@ def test_pyramidkv_modes_follow_its_layer_schedule_as_the_engine_does():
     modes, notes = build_modes(L, H, ["pyramidkv"], ["per-layer", "cross-layer", "uniform"], [rho], [2.0],
                                ProfileStore("nomodel", []))
     assert not any(m.scope == "cross-layer" for m in modes) and any("cross-layer: skipped" in n for n in notes)
+
+
+def test_replace_scorer_rows_from_a_remeasurement(tmp_path):
+    """A re-measured scorer's rows replace the base table's (and only those), recorded in the provenance; a table
+    of other tasks or lengths is refused in one line naming the file."""
+    from tangram.profiles.accuracy import AccuracyTable, main
+    row = lambda sc, v: {"policy": "dynamic" if sc else "full", "scorer": sc, "scope": "per-layer" if sc else None,  # noqa: E731
+                         "rho": 0.5, "alpha": None, "matched_to": None, "kv_share": 0.5, "task": "mean",
+                         "metric": "accuracy", "value": v, "ci_low": v, "ci_high": v, "ci_method": "x", "n": 1}
+    tasks = {"passkey": {"context_tokens": 512}}
+    base = AccuracyTable("m", [row(None, 0.9), row("a", 0.5), row("p", 0.1)], {"command": "base"}, tasks)
+    other = AccuracyTable("m", [row(None, 0.8), row("p", 0.7)], {"command": "re", "date": "d"}, tasks)
+    bp, op = base.save(tmp_path / "b.json"), other.save(tmp_path / "o.json")
+    assert main(["replace-scorer", str(bp), str(op), "p", "-o", str(tmp_path / "m.json")]) == 0
+    m = AccuracyTable.load(tmp_path / "m.json")
+    assert sorted((r["scorer"], r["value"]) for r in m.rows if r["scorer"]) == [("a", 0.5), ("p", 0.7)]
+    assert m.full() == 0.9 and m.provenance["replaced"][0]["command"] == "re"
+    AccuracyTable("m", other.rows, {}, {"passkey": {"context_tokens": 1024}}).save(tmp_path / "x.json")
+    assert main(["replace-scorer", str(bp), str(tmp_path / "x.json"), "p"]) == 2
+    assert AccuracyTable.load(bp).rows == base.rows  # a refused merge writes nothing

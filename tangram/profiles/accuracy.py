@@ -20,6 +20,7 @@ PCHIP, no overshoot) and refuses to extrapolate below the smallest measured shar
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -111,6 +112,25 @@ class AccuracyTable:
             raise ConfigError(f"no accuracy table for model {spec!r} is shipped "
                               f"(looked for {cls.shipped_path(spec).name}); give a table file path")
         return t
+
+    def with_scorer_from(self, other: "AccuracyTable", scorer: str) -> "AccuracyTable":
+        """This table with every row of ``scorer`` replaced by ``other``'s (a re-measurement of that scorer on
+        the same model, tasks and lengths, e.g. after a fix); the replacement is recorded in the provenance."""
+        if other.model != self.model:
+            raise ConfigError(f"{other.path}: measured on {other.model}, not {self.model}")
+        mine = {t: v.get("context_tokens") for t, v in self.tasks.items()}
+        theirs = {t: v.get("context_tokens") for t, v in other.tasks.items()}
+        if mine != theirs:
+            raise ConfigError(f"{other.path}: tasks and lengths {theirs} differ from {self.path}'s {mine}")
+        new = [r for r in other.rows if r.get("scorer") == scorer]
+        if not new:
+            raise ConfigError(f"{other.path} has no rows of scorer {scorer!r}")
+        rows = [r for r in self.rows if r.get("scorer") != scorer] + new
+        prov = dict(self.provenance)
+        prov["replaced"] = list(prov.get("replaced", [])) + [
+            {"scorer": scorer, "rows": len(new), "from": other.path,
+             **{k: other.provenance.get(k) for k in ("command", "date", "git_commit")}}]
+        return AccuracyTable(self.model, rows, prov, self.tasks, self.path)
 
     # ------------------------------------------------------------------ queries
     def scorers(self) -> list[str]:
@@ -234,5 +254,33 @@ class AccuracyModel:
                              else scope, "accuracy", self.task)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tangram.profiles.accuracy replace-scorer BASE OTHER SCORER [-o OUT]``: BASE with SCORER's rows
+    taken from OTHER (written to OUT, default BASE)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tangram.profiles.accuracy", description=main.__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("replace-scorer")
+    r.add_argument("base")
+    r.add_argument("other")
+    r.add_argument("scorer")
+    r.add_argument("-o", "--out")
+    a = p.parse_args(argv)
+    try:
+        t = AccuracyTable.load(a.base).with_scorer_from(AccuracyTable.load(a.other), a.scorer)
+    except (ConfigError, InputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = t.save(a.out or a.base)
+    print(f"wrote {out}: {a.scorer} rows from {a.other}")
+    return 0
+
+
+
 __all__ = ["AccuracyTable", "AccuracyModel", "Estimate", "TABLE_FORMAT", "TABLE_VERSION", "mode_kv_share",
            "mode_policy"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
