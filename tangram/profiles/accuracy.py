@@ -257,9 +257,9 @@ class AccuracyModel:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tangram.profiles.accuracy replace-scorer BASE OTHER SCORER [-o OUT]``: BASE with SCORER's rows
     taken from OTHER (written to OUT, default BASE)."""
-    import argparse
+    from tangram.cli import Parser
 
-    p = argparse.ArgumentParser(prog="python -m tangram.profiles.accuracy", description=main.__doc__)
+    p = Parser(prog="python -m tangram.profiles.accuracy", description=main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replace-scorer")
     r.add_argument("base")
