@@ -87,6 +87,36 @@ def _prefill_varlen_kernel(
     tl.store(LSE + qh * stride_lh + rows, m_i + tl.log2(l_i), mask=mask_m)
 
 
+@triton.jit
+def _window_prob_sums(Q, KN, LSE, row0, c, h, offs_n, window, qk_scale, stride_qt, stride_qh, stride_knt, stride_knh,
+                      stride_lh, GQ: tl.constexpr, GQ_P2: tl.constexpr, D: tl.constexpr, W_BLOCK: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """SnapKV's raw score of the keys ``offs_n`` of one chunk (rows from ``row0``, ``c`` long) of KV head ``h``:
+    the attention probabilities (from the prefill's LSE) of the last ``window`` queries of its ``GQ`` query heads,
+    summed, their rows stacked into one ``[GQ * W, D]`` operand for one dot. Keys past the chunk get 0."""
+    w = tl.minimum(window, c)
+    offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
+    gi = offs_r // W_BLOCK
+    rows = c - w + offs_r % W_BLOCK
+    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
+    qh = h * GQ + gi
+    mask_n = offs_n < c
+    kr = (row0 + offs_n).to(tl.int64)
+    qr = (row0 + rows).to(tl.int64)
+    k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
+                other=0.0)
+    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    p = tl.exp2(sc * qk_scale - lse[:, None])
+    ok = mask_r[:, None] & mask_n[None, :] & (offs_n[None, :] <= rows[:, None])
+    return tl.sum(tl.where(ok, p, 0.0), 0)
+
+
 @triton.jit(do_not_specialize=["window", "stride_lh"], do_not_specialize_on_alignment=["HEAD2SLOT", "CU"])
 def _snapkv_varlen_kernel(
     Q, KN, LSE, HEAD2SLOT, CU, OUT,
@@ -108,28 +138,9 @@ def _snapkv_varlen_kernel(
     if nb * BLOCK_N >= c:
         tl.store(out_ptr, tl.zeros([BLOCK_N], tl.float32))
         return
-    w = tl.minimum(window, c)
-    offs_d = tl.arange(0, D)
-    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
-    gi = offs_r // W_BLOCK
-    rows = c - w + offs_r % W_BLOCK
-    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
-    qh = h * GQ + gi
-    mask_n = offs_n < c
-    kr = (row0 + offs_n).to(tl.int64)
-    qr = (row0 + rows).to(tl.int64)
-    k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
-                other=0.0)
-    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    p = tl.exp2(sc * qk_scale - lse[:, None])
-    ok = mask_r[:, None] & mask_n[None, :] & (offs_n[None, :] <= rows[:, None])
-    acc = tl.sum(tl.where(ok, p, 0.0), 0)
-    tl.store(out_ptr, tl.where(mask_n, acc, 0.0))
+    acc = _window_prob_sums(Q, KN, LSE, row0, c, h, offs_n, window, qk_scale, stride_qt, stride_qh, stride_knt,
+                            stride_knh, stride_lh, GQ, GQ_P2, D, W_BLOCK, IEEE)
+    tl.store(out_ptr, tl.where(offs_n < c, acc, 0.0))
 
 
 @triton.jit
@@ -297,27 +308,10 @@ def _snapkv_compress_kernel(
         tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
         return
     # 1. this block's raw SnapKV scores (the window's queries of the head's GQ query heads, one dot)
-    w = tl.minimum(window, c)
-    offs_r = tl.arange(0, GQ_P2 * W_BLOCK)
-    gi = offs_r // W_BLOCK
-    rws = c - w + offs_r % W_BLOCK
-    mask_r = (offs_r % W_BLOCK < w) & (gi < GQ)
-    qh = h * GQ + gi
     offs_t = start + offs_b
     mask_t = offs_t < c
-    kr = (row0 + offs_t).to(tl.int64)
-    qr = (row0 + rws).to(tl.int64)
-    k = tl.load(KN + kr[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=mask_t[:, None], other=0.0)
-    q = tl.load(Q + qr[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :], mask=mask_r[:, None],
-                other=0.0)
-    lse = tl.load(LSE + qh * stride_lh + qr, mask=mask_r, other=0.0)
-    if IEEE:
-        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        sc = tl.dot(q, tl.trans(k))
-    p = tl.exp2(sc * qk_scale - lse[:, None])
-    okp = mask_r[:, None] & mask_t[None, :] & (offs_t[None, :] <= rws[:, None])
-    raw = tl.sum(tl.where(okp, p, 0.0), 0) * inv_wg
+    raw = _window_prob_sums(Q, KN, LSE, row0, c, h, offs_t, window, qk_scale, stride_qt, stride_qh, stride_knt,
+                            stride_knh, stride_lh, GQ, GQ_P2, D, W_BLOCK, IEEE) * inv_wg
     srow = SC + i.to(tl.int64) * stride_si + slot * stride_sh
     tl.store(srow + offs_t, raw, mask=mask_t)
     # 2. the last of the head's blocks to finish selects and copies (the others are done)
@@ -330,7 +324,7 @@ def _snapkv_compress_kernel(
     tl.atomic_xchg(cptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     offs = tl.arange(0, C_BLOCK)
     valid = offs < c
-    ukey = _finished_key(srow, offs, c, w, POOL).to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
+    ukey = _finished_key(srow, offs, c, tl.minimum(window, c), POOL).to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
     need = cnt  # keys still to take at or below the prefix found so far
     prefix = tl.zeros([], tl.int64)
     bins = tl.arange(0, 256)
