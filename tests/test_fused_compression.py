@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_cases import batched_case
 from tangram.kernels.compress import (prefill_attention_varlen, select_scatter, snapkv_compress,
                                       snapkv_scores_varlen)
 from tangram.kernels.reference import is_topk_set, ref_prefill_attention, ref_scatter
@@ -16,20 +17,7 @@ P, D = 4, 16
 
 
 def _case(seed, H=4, gq=2, Hp=2, cs=(30, 70, 12), cached=(0, 9, 30), dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    kp, N = len(cs), sum(cs)
-    G, Hq = H // Hp, H * gq
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32)
-    W = 32
-    pool = torch.randn(kp * G * W + 4, 2, Hp, P, D, generator=g).to(dtype)
-    tables = torch.randperm(pool.shape[0], generator=g)[:kp * G * W].view(kp, G, W).to(torch.int32)
-    s2h = torch.randperm(H, generator=g).to(torch.int32)
-    lens = torch.tensor([[max(0, c - 2 * s) for s in range(H)] for c in cached], dtype=torch.int32)
-    qkv = torch.randn(N, (Hq + 2 * H) * D, generator=g).to(dtype)
-    q = qkv[:, :Hq * D].view(N, Hq, D)
-    k = qkv[:, Hq * D:(Hq + H) * D].view(N, H, D)
-    v = qkv[:, (Hq + H) * D:].view(N, H, D)
-    return cu, pool, tables, s2h, lens, q, k, v
+    return batched_case(torch.Generator().manual_seed(seed), P, D, H, gq, Hp, cs, cached, W=32, dtype=dtype)
 
 
 def _finished_ref(probs, lens, s2h, window, gq, kernel):

@@ -20,6 +20,7 @@ from tangram.kernels import (
     occupancy_blocks_per_sm, paged_decode, prefill_compress, runtime_plan_decode, runtime_plan_schedules,
     static_split_decode,
 )
+from kernel_cases import batched_case
 from tangram.kernels.reference import (
     is_topk_set, ref_paged_decode, ref_prefill_attention, ref_scatter, ref_snapkv_scores, ref_topk_keep,
 )
@@ -338,20 +339,7 @@ def test_rope_kv_write_puts_each_head_at_its_own_position(Hp):
 
 
 def _batched_case(g, H=4, gq=2, Hp=2, cs=(5, 37, 20), cached=(0, 9, 30), dtype=torch.float32):
-    kp, N = len(cs), sum(cs)
-    G = H // Hp
-    Hq = H * gq
-    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32)
-    W = 24
-    pool = torch.randn(kp * G * W + 4, 2, Hp, P, D, generator=g).to(dtype)
-    tables = torch.randperm(pool.shape[0], generator=g)[:kp * G * W].view(kp, G, W).to(torch.int32)
-    s2h = torch.randperm(H, generator=g).to(torch.int32)
-    lens = torch.tensor([[max(0, c - 2 * s) for s in range(H)] for c in cached], dtype=torch.int32)
-    qkv = torch.randn(N, (Hq + 2 * H) * D, generator=g).to(dtype)
-    q = qkv[:, :Hq * D].view(N, Hq, D)
-    k = qkv[:, Hq * D:(Hq + H) * D].view(N, H, D)
-    v = qkv[:, (Hq + H) * D:].view(N, H, D)
-    return cu, pool, tables, s2h, lens, q, k, v
+    return batched_case(g, P, D, H, gq, Hp, cs, cached, W=24, dtype=dtype)
 
 
 @pytest.mark.parametrize("kind", ["per_head", "global", "full"])
