@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from tangram.engine.model import Session
-from tangram.profiles.evaluate import EvalAttention, Mode, SampleResult, _forward, _free_decode
-from tangram.profiles.scoring import make_scorer
+from tangram.profiles.evaluate import EvalAttention, Mode, SampleResult, _forward, _free_decode, first_chunk
 
 
 def _groups(modes: list[Mode], batch: int) -> list[list[int]]:
@@ -47,19 +46,9 @@ def evaluate_sample_per_mode(model, modes: list[Mode], turns: list[tuple[list[in
     kl = np.zeros(M) if continuation is not None else None
     top1 = np.ones(M) if continuation is not None else None
     free = None
-    scorer_names = sorted({m.scorer for m in modes if m.scorer})
-    base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in scorer_names}
-    base = EvalAttention(cfg, observers=list(base_sc.values()))
     prompt0 = turns[0][0]
     c0 = prompt0[:chunk]
-    logits0 = _forward(model, base, c0, 1, True)[:, -1]  # [1, V]
-    scores0 = {s: sc.take() for s, sc in base_sc.items() if not sc.extra_forward}  # [L, 1, H, T]
-    for s, sc in base_sc.items():  # KVzip's repeat forward, with the other scorers off
-        if sc.extra_forward:
-            base.observers = [sc]
-            sc.after_chunk(Session(model, base), c0)
-            scores0[s] = sc.take()
-    base.observers = []
+    base_sc, base, logits0, scores0 = first_chunk(model, modes, c0, window, tokenizer)
     if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
             and int(logits0[0].argmax()) != turns[0][1][0]):
         # one chunk, one question: the first answer token comes from the shared prefill logits for every mode,

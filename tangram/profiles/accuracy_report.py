@@ -646,7 +646,7 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
           "prediction does not continue the word). CIs are 95%: Wilson for one cell's accuracy, percentile "
           "bootstrap over samples for KL and for paired differences, stratified bootstrap (per task) for the mean "
           "over tasks. The mean is over the headline tasks: " + ", ".join(agg["headline"]) +
-          f" (`mt_niah` = its first follow-up turn, asked after the context was compressed).", ""]
+          " (`mt_niah` = its first follow-up turn, asked after the context was compressed).", ""]
     if res["notes"]:
         L += ["Profiles: " + "; ".join(res["notes"]), ""]
     if res["calibrated_profiles"]:
@@ -862,8 +862,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kl_continuation": args.kl_continuation, "chunk_size": args.chunk_size, "workers": args.workers,
                 "threads": args.threads, "calibrate_missing": args.calibrate_missing, "timings": res["timings"],
                 "dtype": args.dtype, "curve_split": args.curve_split, "length_floor": args.length_floor,
-                "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-                            "cpus": os.cpu_count()},
+                "machine": {"cpus": os.cpu_count(), "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())},
                 "table": str(args.table or out / f"accuracy_{args.model}.json"), "lists": lists}
         (out / "results.json").write_text(json.dumps({"meta": meta, "results": res}) + "\n")
     write_report(res, meta, lists, out)

@@ -440,6 +440,25 @@ class _SharedEval:
 
 
 @torch.no_grad()
+def first_chunk(model, modes: list[Mode], c0: list[int], window: int | None, tokenizer=None):
+    """The first prefill chunk, run once and uncompressed, with every scorer the modes use as an observer (KVzip:
+    its repeat forward alone, the other scorers off). Returns (scorers by name, the backend holding the chunk's
+    cache, the last position's logits [1, V], each scorer's scores [L, 1, H, T])."""
+    L = model.cfg.num_layers
+    base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in sorted({m.scorer for m in modes
+                                                                                  if m.scorer})}
+    base = EvalAttention(model.cfg, observers=list(base_sc.values()))
+    logits0 = _forward(model, base, c0, 1, True)[:, -1]
+    scores0 = {s: sc.take() for s, sc in base_sc.items() if not sc.extra_forward}
+    for s, sc in base_sc.items():
+        if sc.extra_forward:
+            base.observers = [sc]
+            sc.after_chunk(Session(model, base), c0)
+            scores0[s] = sc.take()
+    base.observers = []
+    return base_sc, base, logits0, scores0
+
+
 def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[int] | None]], *, chunk: int,
                     batch: int = 16, window: int | None = None, eos: int | None = None,
                     continues: torch.Tensor | None = None, continuation: list[int] | None = None,
@@ -454,25 +473,13 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
     share one row for everything after it; a later chunk whose selections differ splits the row. The verdicts,
     kept shares and KL equal those of one row per mode (``tests/accuracy_reference.py``)."""
     t0 = time.time()
-    cfg = model.cfg
-    L = cfg.num_layers
     M, nT = len(modes), len(turns)
     full_idx = next((i for i, m in enumerate(modes) if m.policy == "full"), None)
     if full_idx is None and continuation is not None:
         raise ConfigError("KL needs the full cache among the modes (its distribution is the reference)")
-    scorer_names = sorted({m.scorer for m in modes if m.scorer})
-    base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in scorer_names}
-    base = EvalAttention(cfg, observers=list(base_sc.values()))
     prompt0 = turns[0][0]
     c0 = prompt0[:chunk]
-    logits0 = _forward(model, base, c0, 1, True)[:, -1]  # [1, V]
-    scores0 = {s: sc.take() for s, sc in base_sc.items() if not sc.extra_forward}  # [L, 1, H, T]
-    for s, sc in base_sc.items():  # KVzip's repeat forward, with the other scorers off
-        if sc.extra_forward:
-            base.observers = [sc]
-            sc.after_chunk(Session(model, base), c0)
-            scores0[s] = sc.take()
-    base.observers = []
+    base_sc, base, logits0, scores0 = first_chunk(model, modes, c0, window, tokenizer)
     ev = _SharedEval(model, modes, turns, chunk, batch, eos, continues, continuation, free_check, base_sc, full_idx)
     if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
             and int(logits0[0].argmax()) != turns[0][1][0]):
@@ -676,4 +683,4 @@ def run_jobs(jobs: list[tuple], *, workers: int, threads: int, model_name: str, 
 
 __all__ = ["SCOPES", "POLICIES", "Mode", "ProfileStore", "build_modes", "scope_mask", "crosslayer_topk_mask",
            "EvalAttention", "evaluate_sample", "SampleResult", "prompt_ids", "answer_ids", "build_task_sample",
-           "retention_of_prompt", "write_profiles", "run_jobs", "init_worker", "run_job", "word_continuation_mask"]
+           "retention_of_prompt", "first_chunk", "write_profiles", "run_jobs", "init_worker", "run_job", "word_continuation_mask"]
