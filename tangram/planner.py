@@ -178,8 +178,6 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     reps = np.asarray(reps).astype(np.int64)
     L = size_bytes.shape[0]
     size_bytes, reps = size_bytes.reshape(L, -1), reps.reshape(L, -1)
-    if L > 1 and (reps == reps[:1]).all() and (size_bytes == size_bytes[:1]).all():  # e.g. the full cache
-        return np.repeat(wave_time(size_bytes[:1], reps[:1], n_occ, bw, cta_bw, cta_s), L)
     per_layer = reps.sum(axis=1)
     out = np.zeros(L)
     if not per_layer.any():
