@@ -94,7 +94,7 @@ def _wave_time_per_cta(size, reps, n_occ, bw, cta_bw, cta_s):
 
 def test_wave_time_equals_the_per_cta_reference():
     """Only the last wave is materialised: equal to pricing every CTA, with empty layers, layers of fewer CTAs
-    than one wave, and identical layers (priced once)."""
+    than one wave, and identical layers."""
     from tangram.planner import wave_time
 
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
