@@ -1,0 +1,143 @@
+"""Decode attention on the GPU: split granularity x where the splits are merged (fused into the split kernel or a
+separate launch), on the engine's ragged layouts, with the share of copy bandwidth each variant reaches.
+
+    python benchmarks/decode_split_merge.py --out DIR [--points paper:32:8192,...] [--configs 128x8x3,...]
+
+A point is ``PROFILE:BATCH:CONTEXT`` with PROFILE ``paper`` (H_p 4) / ``tuned`` (H_p 1): the roofline's synthetic
+Llama-3.1-8B profile (rho 0.25, alpha 2, as ``tangram.engine.roofline`` builds it), or ``uniform`` (every head at
+the full context, H_p = H). Per point every split map (no split; Algorithm 1 at 1/2/4 waves; every head cut into
+pieces of at most T tokens; the engine's routed map) is launched with the merge fused and separate, checked once
+against the float64 reference on a NaN-poisoned output, and timed in one interleaved set of CUDA-graph replays
+(``kernels.bench.timing.time_graphs``), so the ratios within a point compare like with like. Last line: JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tangram.budgets import constant_profile, synthetic_profile
+from tangram.config import get_model
+from tangram.engine.roofline import copy_bandwidth
+from tangram.engine.split_table import AotSplitTable
+from tangram.kernels import decode as dec
+from tangram.kernels.bench.cases import Arena, DecodeCase
+from tangram.kernels.bench.timing import L2_BYTES, log, time_graphs
+from tangram.kernels.reference import ref_paged_decode
+from tangram.planner import DecodeCosts, aot_n_cta, aot_split_map, tables_dir
+
+
+def split_maps(case: DecodeCase, n_occ: int, costs, num_sms: int) -> dict[str, np.ndarray]:
+    """Candidate maps [L, G] of one point (layers of the case's calls)."""
+    Hp, b, ctx = case.Hp, case.batch, case.ctx
+    Bs = np.take_along_axis(case.Bratio, case.perm, axis=1)
+    gmax = Bs.reshape(Bs.shape[0], -1, Hp).max(axis=2)
+    L, G = gmax.shape
+    maps = {"none": np.ones((L, G), np.int32)}
+    for w in (1, 2, 4):
+        maps[f"alg1_w{w}"] = aot_split_map(case.Bratio, case.perm, Hp, aot_n_cta(n_occ, b, Hp, w))
+    for T in (512, 1024, 2048):
+        maps[f"max{T}tok"] = np.clip(np.ceil(np.ceil(gmax * ctx) / T), 1, 64).astype(np.int32)
+    table = AotSplitTable(case.Bratio, case.perm, Hp, n_occ, max_batch=max(b, 1), costs=costs, gq=case.m.gqa_group,
+                          head_dim=case.d, num_sms=num_sms)
+    maps["routed"] = table.split_map(b, ctx)
+    return maps
+
+
+def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, bw, rows):
+    L, H = m.num_layers, m.num_kv_heads
+    if prof_name == "uniform":
+        Bratio, Hp = constant_profile(L, H, 1.0).B, H
+    else:
+        Bratio = synthetic_profile(L, H, 0.25, alpha=2.0, seed=0, model=m.name).B
+        Hp = 4 if prof_name == "paper" else 1
+    per_layer = batch * H * ctx * 2 * m.head_dim * 2 * float(Bratio.mean())
+    n_calls = int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
+    case = DecodeCase(arena, m, batch, ctx, 0.25, Hp, 0, 16, Bratio, n_calls)
+    maps = split_maps(case, n_occ, costs, num_sms)
+    variants = []  # (name, merge, config, schedules)
+    for name, S in maps.items():
+        scheds = [dec.schedule_from_split_map(S[l], Hp, arena.device) for l in case.layers]
+        merges = ("fused", "separate") if S.max() > 1 else ("none",)
+        for mg in merges:
+            for cfg in (configs if name in ("none", "alg1_w2", "max1024tok", "routed") else configs[:1]):
+                variants.append((name, mg, dec.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                                            fuse_merge=mg != "separate"), scheds, S))
+    ref = ref_paged_decode(case.q[0], case.pool, case.bt[0], case.lens_t[0], case.s2h[0], page_size=16,
+                           heads_per_group=Hp)
+    fns = []
+    for name, mg, cfg, scheds, S in variants:
+        def fn(scheds=scheds, cfg=cfg):
+            for i in range(n_calls):
+                dec.launch_decode(case.q[i], case.pool, case.bt[i], case.lens_t[i], case.s2h[i], scheds[i],
+                                  page_size=16, heads_per_group=Hp, out=case.out[i], config=cfg)
+        case.out[0].fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        err = float((case.out[0].double() - ref).norm() / ref.norm())
+        if not (torch.isfinite(case.out[0]).all() and err < 1e-2):
+            raise SystemExit(f"error: {prof_name} B{batch} ctx{ctx} {name}/{mg}: wrong output (rel err {err:.2e})")
+        fns.append(fn)
+    timed = time_graphs(fns)
+    kv_bytes = case.bytes
+    for (name, mg, cfg, scheds, S), (med, p20, p80, timer) in zip(variants, timed):
+        us = med / n_calls * 1e3
+        rows.append(dict(profile=prof_name, heads_per_group=Hp, batch=batch, context=ctx, split=name, merge=mg,
+                         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                         ctas=int(np.mean([s.n_items for s in scheds])) * batch, max_splits=int(S.max()),
+                         us_per_layer=us, p20_us=p20 / n_calls * 1e3, p80_us=p80 / n_calls * 1e3,
+                         of_copy_bw=kv_bytes / (us * 1e-6) / bw, timer=timer))
+        log(f"{prof_name} B{batch} ctx{ctx} {name:10s} {mg:8s} {cfg.block_n}x{cfg.num_warps}x{cfg.num_stages}: "
+            f"{us:7.1f} us/layer  {rows[-1]['of_copy_bw']:.1%} of copy bw  ({rows[-1]['ctas']} CTAs)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--points", default="paper:32:8192,paper:64:8192,tuned:32:8192,tuned:64:8192,uniform:16:8192,"
+                                        "paper:1:8192,paper:8:32768,uniform:1:8192")
+    ap.add_argument("--configs", default="128x8x3,64x4x3,64x4x4,128x4x3",
+                    help="BLOCK_NxWARPSxSTAGES tile configs (the first is timed for every map)")
+    ap.add_argument("--model", default="llama-3.1-8b")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    m = get_model(a.model)
+    configs = [dec.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",")]
+    bw = copy_bandwidth(torch, dev)
+    fam = props.name.lower().replace("nvidia", "").strip().split()[0]
+    costs = DecodeCosts.load(tables_dir(fam))
+    log(f"{props.name}: copy bandwidth {bw / 1e9:.0f} GB/s; decode costs {costs.source}")
+    arena = Arena(int(min(48 * 2**30, torch.cuda.mem_get_info()[0] * 0.7)), dev)
+    # N_CTA of the shipped calibration (the engine measures the same from the compiled kernel)
+    n_occ = dec.decode_n_cta(calibration=str(tables_dir(fam)))
+    rows: list[dict] = []
+    for p in a.points.split(","):
+        prof, b, c = p.split(":")
+        run_point(arena, m, prof, int(b), int(c), n_occ, costs, props.multi_processor_count, configs, bw, rows)
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "decode_split_merge.csv", index=False)
+    best = df.loc[df.groupby(["profile", "batch", "context"])["us_per_layer"].idxmin()]
+    base = df[(df.split == "routed") & (df.block_n == configs[0].block_n) & (df.num_warps == configs[0].num_warps)
+              & (df.num_stages == configs[0].num_stages) & (df.merge != "fused")]
+    summary = {"device": props.name, "copy_bw_gbps": bw / 1e9, "n_occ": n_occ,
+               "best": best[["profile", "batch", "context", "split", "merge", "block_n", "num_warps", "num_stages",
+                             "us_per_layer", "of_copy_bw"]].to_dict("records"),
+               "routed_today": base[["profile", "batch", "context", "split", "merge", "us_per_layer",
+                                     "of_copy_bw"]].to_dict("records")}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
