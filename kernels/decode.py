@@ -45,22 +45,19 @@ from tangram.kernels._triton import attend_block, runs_triton, tl, triton
 # padded (launch_decode) so their strides keep one divisibility class, and the warm-up covers the chunk lengths.
 @triton.jit(do_not_specialize_on_alignment=["LENS", "SLOT2HEAD"])  # views at any offset (compress.py)
 def _decode_split_kernel(
-    Q, KV, BT, LENS, SLOT2HEAD, NSPLIT, ITEMS, PM, PL, PACC, OUT, CNT,
+    Q, KV, BT, LENS, SLOT2HEAD, NSPLIT, ITEMS, PM, PL, PACC, OUT,
     qk_scale, chunk_tokens,
     stride_qb, stride_qh,
     stride_kvp, stride_kvkv, stride_kvh, stride_kvt,
     stride_btb, stride_btg,
     stride_lb, stride_nb,
     stride_pb, stride_ph, stride_ps,
-    stride_ob, stride_oh, stride_cb,
+    stride_ob, stride_oh,
     HP: tl.constexpr, GQ: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_MODE: tl.constexpr, ITEM_HAS_B: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
-    FUSE_MERGE: tl.constexpr, S_BLOCK: tl.constexpr,
 ):
-    """Stage 1: one program = one (request, slot, split) item. With FUSE_MERGE a head's last split to finish
-    (an arrival counter per (request, slot), reset by that program) merges its head's partials itself, so a split
-    launch is one kernel, and a head with a single split writes its output directly."""
+    """Stage 1: one program = one (request, slot, split) item."""
     item = tl.program_id(0)
     if ITEM_HAS_B:
         b = tl.load(ITEMS + item * 3 + 2)
@@ -101,62 +98,15 @@ def _decode_split_kernel(
         v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         m_i, l_i, acc = attend_block(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, IEEE)
 
-    out_ptr = OUT + b * stride_ob + (head * GQ + offs_m)[:, None] * stride_oh + offs_d[None, :]
-    hbase = b.to(tl.int64) * stride_pb + slot * stride_ph
     if DIRECT:  # a single split per head: normalise and write the output here
-        tl.store(out_ptr, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty), mask=mask_m[:, None])
-    elif FUSE_MERGE:
-        if ns == 1:  # this head is not split in this launch
-            tl.store(out_ptr, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty),
-                     mask=mask_m[:, None])
-        else:
-            _store_partial(PM, PL, PACC, hbase + split * stride_ps, m_i, l_i, acc, offs_m, offs_d, mask_m, D)
-            tl.debug_barrier()  # every thread's partials are written before the release below publishes them
-            cnt = CNT + b * stride_cb + slot
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == ns - 1:  # the head's last split: merge its partials
-                o = _merge_partials(PM, PL, PACC, hbase, ns, stride_ps, BLOCK_M, GQ, D, S_BLOCK)
-                tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=mask_m[:, None])
-                tl.atomic_xchg(cnt, 0, sem="relaxed")  # ready for the next launch (the kernel boundary orders it)
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + b * stride_ob + (head * GQ + offs_m)[:, None] * stride_oh + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=mask_m[:, None])
     else:
-        _store_partial(PM, PL, PACC, hbase + split * stride_ps, m_i, l_i, acc, offs_m, offs_d, mask_m, D)
-
-
-@triton.jit
-def _store_partial(PM, PL, PACC, pbase, m_i, l_i, acc, offs_m, offs_d, mask_m, D: tl.constexpr):
-    tl.store(PM + pbase + offs_m, m_i, mask=mask_m)
-    tl.store(PL + pbase + offs_m, l_i, mask=mask_m)
-    tl.store(PACC + pbase * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None])
-
-
-@triton.jit
-def _merge_partials(PM, PL, PACC, base, ns, stride_ps, M: tl.constexpr, GQ: tl.constexpr, D: tl.constexpr,
-                    S_BLOCK: tl.constexpr):
-    """Log-sum-exp merge of one head's ``ns`` partial states, S_BLOCK splits at a time (independent loads, so a
-    head with many splits is not a chain of dependent round trips); loads bypass L1 (.cg): other programs wrote
-    them during this launch."""
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    offs_b = tl.arange(0, S_BLOCK)
-    mask_m = offs_m < GQ
-    m_i = tl.full([M], float("-inf"), tl.float32)
-    l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
-    for s0 in range(0, ns, S_BLOCK):
-        offs_s = s0 + offs_b
-        msk = (offs_s < ns)[:, None] & mask_m[None, :]
-        pb = base + offs_s[:, None] * stride_ps + offs_m[None, :]  # [S, M] element offsets of (m, l)
-        m_s = tl.load(PM + pb, mask=msk, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(PL + pb, mask=msk, other=0.0, cache_modifier=".cg")
-        a_s = tl.load(PACC + pb[:, :, None] * D + offs_d[None, None, :], mask=msk[:, :, None], other=0.0,
-                      cache_modifier=".cg")
-        m_new = tl.maximum(m_i, tl.max(m_s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        c_old = tl.exp2(m_i - m_safe)
-        w = tl.exp2(m_s - m_safe[None, :])
-        l_i = l_i * c_old + tl.sum(l_s * w, 0)
-        acc = acc * c_old[:, None] + tl.sum(a_s * w[:, :, None], 0)
-        m_i = m_new
-    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        pbase = b.to(tl.int64) * stride_pb + slot * stride_ph + split * stride_ps
+        tl.store(PM + pbase + offs_m, m_i, mask=mask_m)
+        tl.store(PL + pbase + offs_m, l_i, mask=mask_m)
+        tl.store(PACC + pbase * D + offs_m[:, None] * D + offs_d[None, :], acc, mask=mask_m[:, None])
 
 
 @triton.jit
@@ -165,17 +115,37 @@ def _decode_merge_kernel(
     stride_nb, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
     GQ: tl.constexpr, GQ_P2: tl.constexpr, D: tl.constexpr, S_BLOCK: tl.constexpr,
 ):
-    """Stage 2 as its own launch (DecodeConfig.fuse_merge off): merge the splits of one (request, slot)."""
+    """Stage 2: merge the partial states of the splits of one (request, slot), S_BLOCK splits at a time
+    (independent loads, so a head with many splits is not a chain of dependent round trips)."""
     b = tl.program_id(0)
     slot = tl.program_id(1)
     head = tl.load(SLOT2HEAD + slot)
     ns = tl.load(NSPLIT + b * stride_nb + slot)
     offs_m = tl.arange(0, GQ_P2)
     offs_d = tl.arange(0, D)
-    o = _merge_partials(PM, PL, PACC, b.to(tl.int64) * stride_pb + slot * stride_ph, ns, stride_ps, GQ_P2, GQ, D,
-                        S_BLOCK)
+    offs_b = tl.arange(0, S_BLOCK)
+    mask_m = offs_m < GQ
+    m_i = tl.full([GQ_P2], float("-inf"), tl.float32)
+    l_i = tl.zeros([GQ_P2], tl.float32)
+    acc = tl.zeros([GQ_P2, D], tl.float32)
+    base = b.to(tl.int64) * stride_pb + slot * stride_ph
+    for s0 in range(0, ns, S_BLOCK):
+        offs_s = s0 + offs_b
+        msk = (offs_s < ns)[:, None] & mask_m[None, :]
+        pb = base + offs_s[:, None] * stride_ps + offs_m[None, :]  # [S, M] element offsets of (m, l)
+        m_s = tl.load(PM + pb, mask=msk, other=float("-inf"))
+        l_s = tl.load(PL + pb, mask=msk, other=0.0)
+        a_s = tl.load(PACC + pb[:, :, None] * D + offs_d[None, None, :], mask=msk[:, :, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        c_old = tl.exp2(m_i - m_safe)
+        w = tl.exp2(m_s - m_safe[None, :])
+        l_i = l_i * c_old + tl.sum(l_s * w, 0)
+        acc = acc * c_old[:, None] + tl.sum(a_s * w[:, :, None], 0)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + b * stride_ob + (head * GQ + offs_m)[:, None] * stride_oh + offs_d[None, :],
-             o.to(OUT.dtype.element_ty), mask=(offs_m < GQ)[:, None])
+             o.to(OUT.dtype.element_ty), mask=mask_m[:, None])
 
 
 # ----------------------------------------------------------------------------- configs
@@ -188,25 +158,10 @@ class DecodeConfig:
     block_n: int = 64  # tokens per iteration (several pages gathered through the block table)
     num_warps: int = 4
     num_stages: int = 3
-    fuse_merge: bool = True  # the last split of a head merges (one launch); False: a separate merge kernel
 
 
 DEFAULT_CONFIG = DecodeConfig(block_n=128, num_warps=8, num_stages=3)  # chosen on the H100 (sim/tables/h100/meta.json)
 _COMPILED: dict = {}  # DecodeConfig -> compiled stage-1 kernel (for the occupancy query)
-_COUNTERS: dict = {}  # device -> int32 arrival counters of the fused merge, all zero between launches
-COUNTER_MIN = 1 << 16  # counters allocated at first use: (request, slot) pairs of any launch up to this many
-
-
-def merge_counters(device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for ``n`` (request, slot) pairs. Every launch leaves them zero (each head's
-    last split resets its counter), so one buffer serves every layer, step and CUDA graph replay; it is allocated
-    once, large enough that graph capture never allocates it."""
-    key = torch.device(device)
-    c = _COUNTERS.get(key)
-    if c is None or c.numel() < n:
-        c = torch.zeros(max(n, COUNTER_MIN if c is None else 2 * c.numel()), dtype=torch.int32, device=key)
-        _COUNTERS[key] = c
-    return c
 
 
 @dataclass
@@ -322,26 +277,23 @@ def launch_decode(q, kv_pool, block_table, head_lens, slot_to_head, sched: Layer
         out.zero_()
         return out
     block_m = max(16, triton.next_power_of_2(gq))
-    fuse = config.fuse_merge and not direct
-    cnt = merge_counters(q.device, B * H) if fuse else out
-    s_block = max(1, min(16, 8192 // (block_m * d)))  # <= 8K fp32 partials in flight per merge round
     k = _decode_split_kernel[grid](
-        q, kv_pool, block_table, head_lens, slot_to_head, nsplit, sched.items, pm, pl, pacc, out, cnt,
+        q, kv_pool, block_table, head_lens, slot_to_head, nsplit, sched.items, pm, pl, pacc, out,
         sm_scale * 1.4426950408889634, sched.chunk_tokens,
         q.stride(0), q.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
         block_table.stride(0), block_table.stride(1),
         head_lens.stride(0), stride_nb,
         spb, sph, sps,
-        out.stride(0), out.stride(1), H,
+        out.stride(0), out.stride(1),
         HP=heads_per_group, GQ=gq, P=page_size, D=d, BLOCK_M=block_m, BLOCK_N=config.block_n,
         SPLIT_MODE=sched.split_mode, ITEM_HAS_B=not sched.per_request, DIRECT=direct,
-        IEEE=q.dtype == torch.float32, FUSE_MERGE=fuse, S_BLOCK=s_block,
+        IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config not in _COMPILED and k is not None:
         _COMPILED[config] = k
-    if not direct and not fuse:
+    if not direct:
         _decode_merge_kernel[(B, H)](
             pm, pl, pacc, nsplit, slot_to_head, out,
             stride_nb, spb, sph, sps, out.stride(0), out.stride(1),

@@ -210,30 +210,33 @@ def test_dynamic_draws_match_the_cost_model(tiny):
     assert seen >= 4  # chunks of 16: 2 + 3 + 1 (+ none for decode)
 
 
-def _served(model, cfg, prof, mode, cuda_graphs, trace, **eng_kw):
+def _served(model, cfg, prof, mode, cuda_graphs, trace, graph_layers=4, **eng_kw):
     eng = engine(mode, kv_pool_bytes=400_000, **eng_kw)
     sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
     exe = Executor(model, sched, TokenSource(cfg.vocab, seed=3),
-                   ExecutorOptions(record_logits=True, cuda_graphs=cuda_graphs))
+                   ExecutorOptions(record_logits=True, cuda_graphs=cuda_graphs, graph_layers=graph_layers))
     res = Cluster(trace, [(sched, exe)]).run()
     assert all(r.status == "finished" for r in res.records) and leak_check(sched)["ok"]
     return exe, res
 
 
-@pytest.mark.parametrize("mode", [pytest.param("tangram", marks=pytest.mark.interpret), "full"])
-def test_decode_graph_path_equals_eager(tiny, mode):
+@pytest.mark.parametrize("mode,graph_layers", [pytest.param("tangram", 1, marks=pytest.mark.interpret),
+                                               ("full", 0), ("full", 1)])
+def test_decode_graph_path_equals_eager(tiny, mode, graph_layers):
     """Pure-decode steps through the static graph buffers (padded to power-of-two buckets, padded rows in the
-    scratch page, block tables regrown when a table outgrows them) give the eager path's tokens and logits.
-    ``emulate`` runs the captured callable without CUDA; each key's callable is built once and replays read only
-    the static buffers, as a CUDA graph does. tangram runs the interpreted Triton decode kernel."""
+    scratch page, block tables regrown when a table outgrows them) give the eager path's tokens and logits, as
+    one graph per step or one per layer (the carry between pieces). ``emulate`` runs the captured callables
+    without CUDA; each key's callable is built once and replays read only the static buffers, as a CUDA graph
+    does. tangram runs the interpreted Triton decode kernel."""
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
     # three sessions decode together (batch 3 -> bucket 4, one padded row); the 90-token one outgrows the
     # 16-page tables the buffers start with (page size 4)
     tr = small_trace(sessions=3, first=(29, 90, 41), out=7)
     eager, r0 = _served(model, cfg, prof, mode, "off", tr)
-    graph, r1 = _served(model, cfg, prof, mode, "emulate", tr, cuda_graph_max_bs=4)
+    graph, r1 = _served(model, cfg, prof, mode, "emulate", tr, graph_layers=graph_layers, cuda_graph_max_bs=4)
     assert eager.graphs is None and graph.graphs is not None
+    assert len(graph.graphs.pieces) == (cfg.num_layers if graph_layers == 1 else 1)
     st = graph.graphs.stats
     assert st.replays > 0 and (4, 1024) in st.keys  # aot: the canonical context bucket of the split maps
     if mode == "full":

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from tangram.planner import pow2_bucket
@@ -70,13 +69,17 @@ class DecodeGraphs:
 
     def __init__(self, *, max_bs: int, n_tables: int, num_layers: int, num_kv_heads: int, vocab: int, greedy: bool,
                  device: torch.device, scratch_page: int, width: int,
-                 body: Callable[[StaticBuffers, int, int], None], emulate: bool = False):
+                 body: Callable[..., tuple], emulate: bool = False, layers_per_graph: int = 0):
         self.max_bs = pow2_bucket(max_bs)
         self.buckets = [1 << i for i in range(self.max_bs.bit_length())]
         self.T, self.L, self.H, self.vocab, self.greedy = n_tables, num_layers, num_kv_heads, vocab, greedy
         self.device = device
         self.scratch = scratch_page
-        self.body = body  # body(bufs, bs, ctx_bucket): the forward reading bufs[:bs], writing bufs.logits[:bs]
+        # body(bufs, bs, ctx_bucket, lo, hi, carry) -> carry: layers [lo, hi) of the forward reading bufs[:bs]; the
+        # first piece (carry None) embeds, the last writes bufs.logits[:bs]
+        self.body = body
+        n = num_layers if layers_per_graph <= 0 else max(1, int(layers_per_graph))
+        self.pieces = [(lo, min(lo + n, num_layers)) for lo in range(0, num_layers, n)]
         self.emulate = emulate or device.type != "cuda"
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int], object] = {}
@@ -108,31 +111,47 @@ class DecodeGraphs:
         return bs if bs <= self.max_bs else None
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, bs: int, ctx: int) -> object:
+    def _forward(self, bs: int, ctx: int) -> None:
+        carry = None
+        for lo, hi in self.pieces:
+            carry = self.body(self.bufs, bs, ctx, lo, hi, carry)
+
+    def _capture(self, bs: int, ctx: int) -> Callable[[], None]:
+        """Capture the step as one graph per piece of layers; the carries between pieces (residual stream, its
+        norm, RoPE tables) are allocated inside the shared pool during capture and kept alive with the graphs, so
+        each replay writes and reads them at the same addresses."""
         t = time.perf_counter()
         self._park_rows(0, self.max_bs)  # capture runs the forward: keep its KV writes in the scratch page
         if self.emulate:
-            self.body(self.bufs, bs, ctx)  # what a real capture's warm-up does (compiles, fills caches)
-            bufs = self.bufs
-            graph = (lambda bs=bs, ctx=ctx: self.body(bufs, bs, ctx))
+            self._forward(bs, ctx)  # what a real capture's warm-up does (compiles, fills caches)
+            replay = (lambda bs=bs, ctx=ctx: self._forward(bs, ctx))
         else:
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):  # warm-up off the capture: Triton compiles, lazy schedule tables fill
-                self.body(self.bufs, bs, ctx)
-                self.body(self.bufs, bs, ctx)
+                self._forward(bs, ctx)
+                self._forward(bs, ctx)
             torch.cuda.current_stream(self.device).wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.body(self.bufs, bs, ctx)
-            if self._pool is None:
-                self._pool = graph.pool()
+            graphs, carry, carries = [], None, []
+            for lo, hi in self.pieces:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    carry = self.body(self.bufs, bs, ctx, lo, hi, carry)
+                if self._pool is None:
+                    self._pool = g.pool()
+                graphs.append(g)
+                carries.append(carry)
             torch.cuda.synchronize(self.device)
-        self._graphs[(bs, ctx)] = graph
+
+            def replay(graphs=graphs, carries=carries):  # carries: referenced so their memory stays theirs
+                for g in graphs:
+                    g.replay()
+            replay.graphs = graphs
+        self._graphs[(bs, ctx)] = replay
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t
         self.stats.keys.append((bs, ctx))
-        return graph
+        return replay
 
     def capture(self, keys) -> None:
         """Capture ahead of the run (largest batch first, so smaller graphs reuse its memory pool)."""
@@ -149,29 +168,26 @@ class DecodeGraphs:
         self.stats.regrows += 1
 
     # ------------------------------------------------------------------ step
-    def run(self, tokens: np.ndarray, pos: np.ndarray, tables: torch.Tensor, lens: np.ndarray, ctx: int,
-            to_device: Callable[[np.ndarray], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step of ``kd = len(tokens)`` rows (``tables``: their ``[kd, T, w]`` block tables, already on
-        the device): inputs into the static buffers (one host-to-device copy), replay; returns the rows' logits
+    def run(self, tokens: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+            ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of ``kd = len(tokens)`` rows, every input already on the device (``tables``: their
+        ``[kd, T, w]`` block tables): copies into the static buffers, replay; returns the rows' logits
         ``[kd, vocab]`` and greedy tokens ``[kd]`` (None unless greedy), valid until the next replay. A key nobody
         captured ahead is captured first (its time lands in this step), since a capture overwrites the buffers
         with scratch rows."""
-        kd = len(tokens)
+        kd = int(tokens.shape[0])
         bs = self.bucket(kd)
         w = tables.shape[2]
         if w > self.bufs.width:
             self._regrow(w)
         graph = self._graphs.get((bs, ctx)) or self._capture(bs, ctx)
         b = self.bufs
-        nl = lens.size
-        packed = to_device(np.concatenate([np.asarray(tokens, np.int32), np.asarray(pos, np.int32),
-                                           lens.astype(np.int32, copy=False).reshape(-1)]))
-        b.tokens[:kd].copy_(packed[:kd])
-        b.pos[:kd].copy_(packed[kd:2 * kd])
-        b.lens[:kd].copy_(packed[2 * kd:2 * kd + nl].view(lens.shape))
+        b.tokens[:kd].copy_(tokens)
+        b.pos[:kd].copy_(pos)
+        b.lens[:kd].copy_(lens)
         b.tables[:kd, :, :w].copy_(tables)
         if kd < bs:
             self._park_rows(kd, bs)
-        graph() if self.emulate else graph.replay()
+        graph()
         self.stats.replays += 1
         return b.logits[:kd], (b.sampled[:kd] if b.sampled is not None else None)

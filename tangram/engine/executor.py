@@ -186,6 +186,10 @@ class ExecutorOptions:
     # pure-decode steps up to EngineConfig.cuda_graph_max_bs through captured graphs: "auto" (on CUDA), "off",
     # or "emulate" (the static-buffer path without capture, for CPU tests of its padding and buffers)
     cuda_graphs: str = "auto"
+    # layers per captured graph of a decode step: a step replays ceil(L / graph_layers) graphs back to back, so the
+    # host's launch of each overlaps the GPU running the one before (one graph of every layer: the whole launch,
+    # ~0.5-1 ms of host time for ~340 nodes on the H100, left the GPU idle; reports/engine/roofline/). 0: one graph
+    graph_layers: int = 4
     graph_max_context: int | None = None  # tokens the static block tables hold per table (None: the block
     # table's width at start, regrown on demand); tangram-bench passes the trace's longest session
     # costs of a decode launch, for the AOT split table's regime choice (tangram.planner.aot_bucket_split_map);
@@ -298,7 +302,8 @@ class Executor:
                 max_bs=self.engine.graph_max_batch, n_tables=lay.n_tables,
                 num_layers=self.cfg.num_layers, num_kv_heads=self.cfg.num_kv_heads, vocab=self.cfg.vocab,
                 greedy=self.opts.sampling.temperature == 0.0, device=self.device, scratch_page=self.scratch_page,
-                width=width, body=self._decode_body, emulate=not self.cuda)
+                width=width, body=self._decode_body, emulate=not self.cuda,
+                layers_per_graph=self.opts.graph_layers)
 
     def describe(self) -> dict:
         """Where this executor's step durations come from (the harness's summary reads it)."""
@@ -374,9 +379,10 @@ class Executor:
             with torch.inference_mode():
                 self.graphs.capture(self.graph_keys(max_context, max_batch))
 
-    def _decode_body(self, bufs: StaticBuffers, bs: int, ctx: int) -> None:
-        """The captured decode step: reads ``bufs[:bs]`` only, so a replay sees the next step's inputs; ends with
-        the logits (and, greedy, the sampled tokens) in the static buffers: lm_head and argmax are in the graph."""
+    def _decode_body(self, bufs: StaticBuffers, bs: int, ctx: int, lo: int, hi: int, carry: tuple | None) -> tuple:
+        """One captured piece of the decode step, layers [lo, hi) (the first piece embeds, the last ends with the
+        logits and, greedy, the sampled tokens in the static buffers: lm_head and argmax are in the graph); reads
+        ``bufs[:bs]`` only, so a replay sees the next step's inputs. Returns the carry the next piece reads."""
         L = self.cfg.num_layers
         st = {"kd": bs, "kp": 0, "ops": _Ops(False, self.cuda), "dec_tables": bufs.tables[:bs],
               "dec_lens": bufs.lens[:bs]}
@@ -384,11 +390,15 @@ class Executor:
             st["sched"] = self.aot.step(bs, ctx)
         else:
             st["max_len"] = [ctx] * L
-        h = self._layers(bufs.tokens[:bs], bufs.pos[:bs], st)
-        logits = self._lm_head(h)
-        bufs.logits[:bs].copy_(logits)
-        if bufs.sampled is not None:
-            bufs.sampled[:bs].copy_(logits.argmax(dim=-1))
+        if carry is None:
+            carry = self._stack_input(bufs.tokens[:bs], bufs.pos[:bs])
+        carry = self._layer_range(carry, lo, hi, st)
+        if hi == L:
+            logits = self._lm_head(carry[1])
+            bufs.logits[:bs].copy_(logits)
+            if bufs.sampled is not None:
+                bufs.sampled[:bs].copy_(logits.argmax(dim=-1))
+        return carry
 
     def _use_graph(self, kd: int, kp: int) -> bool:
         return self.graphs is not None and not self.opts.time_ops and bool(self.engine.decode_graphed(kd, kp))
@@ -412,34 +422,39 @@ class Executor:
 
     def _upload(self, arrays: dict) -> dict:
         """Every per-step int array to the device in one pinned host-to-device copy; device views by name."""
-        flat = [np.ascontiguousarray(a, dtype=np.int32).reshape(-1) for a in arrays.values()]
-        buf = self.cache.to_device(np.concatenate(flat) if flat else np.zeros(0, np.int32))
-        out, off = {}, 0
-        for (name, a), f in zip(arrays.items(), flat):
-            out[name] = buf[off:off + f.size].view(np.shape(a))
-            off += f.size
-        return out
+        return self.cache.upload(arrays, np.int32)
 
     def _tables_dev(self) -> torch.Tensor:
         """The scheduler's block table ``[rows, T, cap]`` on the device, kept current from its write log: a step
         uploads only the page ids written since the last one (at H_p 1 a decode row has 256 tables, and copying
         the rows' whole tables every step was 21-80 MB of host gathering and transfer at batch 64)."""
+        arrays = self._table_write_arrays()
+        if arrays:
+            self._apply_table_writes(self.cache.upload(arrays, np.int64))
+        return self._bt_dev
+
+    def _table_write_arrays(self) -> dict:
+        """The block-table writes the device mirror lacks as flat positions and page ids (empty when none, or when
+        the mirror was just rebuilt from the whole table)."""
         bt = self.sched.bt
-        if (self._bt_dev is None or self._bt_src is not bt or tuple(self._bt_dev.shape) != bt.pages.shape
-                or not hasattr(bt, "take_writes")):
+        w = None
+        if (self._bt_dev is not None and self._bt_src is bt and tuple(self._bt_dev.shape) == bt.pages.shape
+                and hasattr(bt, "take_writes")):
+            w = bt.take_writes()
+        if w is None:  # first use, a new or regrown table, or tracking switched off behind our back: start over
             self._bt_dev = self.cache.to_device(bt.pages).clone()  # a copy (on the CPU to_device shares memory)
             self._bt_src = bt
             if hasattr(bt, "track_writes"):
                 bt.track_writes()
-            return self._bt_dev
-        w = bt.take_writes()
-        if w is None:  # tracking was switched off behind our back: start over
-            bt.track_writes()
-            self._bt_dev = self.cache.to_device(bt.pages).clone()
-        elif w.size:
-            wd = self.cache.to_device(w.astype(np.int32)).long()
-            self._bt_dev[wd[:, 0], wd[:, 1], wd[:, 2]] = wd[:, 3].int()
-        return self._bt_dev
+            return {}
+        if not w.size:
+            return {}
+        _, T, cap = self._bt_dev.shape
+        return {"w_at": (w[:, 0].astype(np.int64) * T + w[:, 1]) * cap + w[:, 2], "w_page": w[:, 3]}
+
+    def _apply_table_writes(self, up: dict) -> None:
+        if "w_at" in up:
+            self._bt_dev.view(-1).index_put_((up["w_at"].long(),), up["w_page"].to(torch.int32))
 
     def _rows_tables(self, rows: np.ndarray) -> tuple[torch.Tensor, int]:
         """(``[len(rows), T, w]`` device tables of the rows, w) with w their widest table's pages."""
@@ -461,7 +476,17 @@ class Executor:
         return self.model.lm_head(h).float()
 
     def _layers(self, tok_t: torch.Tensor, pos_t: torch.Tensor, st: dict) -> torch.Tensor:
-        """The decoder stack over the step's tokens; returns the final-normed hidden states [N, hidden].
+        """The decoder stack over the step's tokens; returns the final-normed hidden states [N, hidden]."""
+        return self._layer_range(self._stack_input(tok_t, pos_t), 0, self.cfg.num_layers, st)[1]
+
+    def _stack_input(self, tok_t: torch.Tensor, pos_t: torch.Tensor) -> tuple:
+        """The carry entering layer 0: (residual stream x, its RMSNorm h, RoPE cos, sin)."""
+        x = self._embed(tok_t)
+        cos, sin = self.model.rope(pos_t, x.dtype)
+        return x, rms_norm(x, self.model.model.layers[0].input_layernorm.weight, self.cfg.rms_eps), cos, sin
+
+    def _layer_range(self, carry: tuple, lo: int, hi: int, st: dict) -> tuple:
+        """Layers [lo, hi) on the carry (x, h, cos, sin); after the last layer h is the final-normed hidden.
 
         Per layer: RMSNorm (fused with the previous residual add), one qkv GEMM, RoPE of q/k in place with the
         decode rows' KV written into their pages (one kernel), attention, o GEMM, add + RMSNorm, one gate/up
@@ -471,11 +496,10 @@ class Executor:
         kd = st["kd"]
         layers = m.model.layers
         eps = c.rms_eps
-        x = self._embed(tok_t)
-        cos, sin = m.rope(pos_t, x.dtype)
-        h = rms_norm(x, layers[0].input_layernorm.weight, eps)
+        x, h, cos, sin = carry
         N = x.shape[0]
-        for l, layer in enumerate(layers):
+        for l in range(lo, hi):
+            layer = layers[l]
             a, mlp = layer.self_attn, layer.mlp
             qkv = F.linear(h, a._qkv, a._qkv_bias)
             ops.start("kv_write")
@@ -494,7 +518,7 @@ class Executor:
             y = self._reduce(F.linear(silu_mul(F.linear(h, mlp._gate_up)), mlp.down_proj.weight))
             nw = layers[l + 1].input_layernorm.weight if l + 1 < len(layers) else m.model.norm.weight
             x, h = add_rms_norm(x, y, nw, eps)
-        return h
+        return x, h, cos, sin
 
     def _forward_eager(self, plan: StepPlan, ids, pos, bounds, last, ops: _Ops) -> tuple[torch.Tensor, dict, float]:
         """The step's forward issued op by op; returns (final hidden of the sampling rows, step state, host
@@ -559,13 +583,21 @@ class Executor:
         return h.index_select(0, st["rows"]), st, host_plan_s
 
     def _forward_graph(self, plan: StepPlan, ids, pos) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A graphed decode step: all host work first (table writes since the last step, rows, tokens, positions,
+        lengths), then one upload, the table writes and row gather, the static-buffer copies and the replays, back
+        to back, so the GPU does not wait on the host between them."""
         if self.partition == "static":
             ctx = context_bucket(int(plan.decode_head_lens.max()))
         else:
             ctx = self.aot.canonical_context(plan.num_decode, int(plan.decode_ctx.max()))
-        tables, _ = self._rows_tables(plan.decode_rows)
-        return self.graphs.run(np.asarray(ids), np.asarray(pos), tables, plan.decode_head_lens, ctx,
-                               self.cache.to_device)
+        rows = np.asarray(plan.decode_rows, dtype=np.int64)
+        w = max(1, int(self.sched.bt.npages[rows].max())) if rows.size else 1
+        arrays = {"rows": rows, "tok": np.asarray(ids), "pos": np.asarray(pos), "lens": plan.decode_head_lens,
+                  **self._table_write_arrays()}
+        up = self.cache.upload(arrays, np.int64)
+        self._apply_table_writes(up)
+        tables = self._bt_dev.index_select(0, up["rows"])[:, :, :w]
+        return self.graphs.run(up["tok"], up["pos"], tables, up["lens"], ctx)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -205,7 +205,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     # the largest point's pages, at most what is free after a reserve for activations, graphs and logits
     probe = TimedScheduler(cfg, eng, prof, num_pages=1)
     ratio = probe.keep_ratio
-    grow = args.steps + 3 + args.profile_steps + 3 + 8  # tokens a point's rows grow by (timed, profiled, events)
+    # tokens a point's rows grow by (timed, profiled, events, host timeline)
+    grow = args.steps + 3 + args.profile_steps + 3 + 8 + 2 * HOST_STEPS + 1
     top = np.ceil(ratio * (max(args.contexts) + grow)).astype(np.int64)
     need_b = int(max(args.batches) * probe.layout.pages_for(probe.layout.table_lens(top[None])[0]).sum()
                  * probe.layout.page_bytes * 1.02) + 2**26
@@ -214,6 +215,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     fields = {f.name for f in dataclasses.fields(ExecutorOptions)}
     kw = dict(cuda_graphs="auto" if dev.type == "cuda" else "emulate",
               graph_max_context=max(args.contexts) + args.steps + 64)
+    if args.graph_layers is not None:
+        kw["graph_layers"] = args.graph_layers
     if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
         from tangram.planner import DecodeCosts, tables_dir
 
@@ -265,6 +268,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
             graphed = "engine_graph" in res.breakdown
             prof_rows = profile_steps(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], args.profile_steps)
             ev = events_split(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], 2)
+            ht = host_timeline(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], HOST_STEPS)
             kvb = kv_bytes(cfg, lens)
             wb = weight_bytes(cfg, batch)
             roof = (kvb + wb) / copy_bw
@@ -272,7 +276,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
                    "graphed": graphed, "aliased": aliased, "distinct_rows": distinct, "weight_gb": wb / 1e9,
                    "kv_gb": kvb / 1e9, "roofline_ms": roof * 1e3, "wall_ms": float(np.median(times)) * 1e3,
                    "wall_p20_ms": float(np.percentile(times, 20)) * 1e3,
-                   "wall_p80_ms": float(np.percentile(times, 80)) * 1e3, **prof_rows, **ev}
+                   "wall_p80_ms": float(np.percentile(times, 80)) * 1e3, **prof_rows, **ev, **ht}
             row["of_roofline_wall"] = row["roofline_ms"] / row["wall_ms"]
             if row.get("gpu_ms"):
                 row["of_roofline_gpu"] = row["roofline_ms"] / row["gpu_ms"]
@@ -291,6 +295,19 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
 def _sync(torch, dev) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def idle_before(starts: np.ndarray, ends: np.ndarray, cats: list[str]) -> dict[str, float]:
+    """Idle time of one step (kernels sorted by start) charged to the kernel that starts after each gap: the gap
+    is the time from the latest end of every earlier kernel to its start (overlapping kernels leave none)."""
+    starts, ends = np.asarray(starts, np.float64), np.asarray(ends, np.float64)
+    out: dict[str, float] = {}
+    if starts.size < 2:
+        return out
+    before = np.maximum(0.0, starts[1:] - np.maximum.accumulate(ends)[:-1])
+    for c, g in zip(cats[1:], before):
+        out[c] = out.get(c, 0.0) + float(g)
+    return out
 
 
 def profile_steps(exe, next_plan, n: int) -> dict:
@@ -323,9 +340,13 @@ def profile_steps(exe, next_plan, n: int) -> dict:
     cut = np.sort(np.argsort(gaps)[::-1][: n - 1]) + 1 if n > 1 and gaps.size >= n - 1 else np.array([], int)
     bounds = [0] + cut.tolist() + [len(evs)]
     busy = 0.0
+    gaps_before = {}  # idle time inside a step ending at a kernel's start, by the category of that kernel
+    cat_of = [categorize(e.name) for e in evs]
     for a, b in zip(bounds[:-1], bounds[1:]):
         s, e = starts[a:b], ends[a:b]
         spans.append(e.max() - s.min())
+        for c, g in idle_before(s, e, cat_of[a:b]).items():
+            gaps_before[c] = gaps_before.get(c, 0.0) + g
         # union of kernel intervals (overlap-safe)
         cur_s, cur_e, tot = s[0], e[0], 0.0
         for x, y in zip(s[1:], e[1:]):
@@ -335,15 +356,90 @@ def profile_steps(exe, next_plan, n: int) -> dict:
             else:
                 cur_e = max(cur_e, y)
         busy += tot + (cur_e - cur_s)
-    for e in evs:
-        c = categorize(e.name)
+    counts = {}
+    for e, c in zip(evs, cat_of):
         cats[c] = cats.get(c, 0.0) + (e.time_range.end - e.time_range.start)
+        counts[c] = counts.get(c, 0) + 1
         n_k += 1
     k = len(spans)
     out = {"gpu_ms": float(np.median(spans)) / 1e3, "kernel_ms": busy / k / 1e3,
            "idle_in_span_ms": (sum(spans) - busy) / k / 1e3, "kernels_per_step": n_k / k}
     out.update({f"k_{c}_ms": v / k / 1e3 for c, v in sorted(cats.items())})
+    out.update({f"n_{c}": v / k for c, v in sorted(counts.items())})
+    out.update({f"idle_before_{c}_ms": v / k / 1e3 for c, v in sorted(gaps_before.items())})
+    # the longest gaps of the first step with the kernels around them, and the host ops that take the most time
+    a, b = bounds[0], bounds[1]
+    g = np.maximum(0.0, starts[a + 1:b] - np.maximum.accumulate(ends[a:b])[:-1])
+    out["longest_gaps"] = [{"us": float(g[i]), "after": evs[a + i].name[:60], "before": evs[a + i + 1].name[:60],
+                            "index": int(i + 1)} for i in np.argsort(g)[::-1][:8]]
+    host = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    out["host_top"] = [{"op": e.key[:60], "self_cpu_us_per_step": e.self_cpu_time_total / k, "calls_per_step": e.count / k}
+                       for e in host[:12]]
     return out
+
+
+HOST_STEPS = 5  # steps of host_timeline (it runs 2 n + 1)
+
+
+def host_timeline(exe, next_plan, n: int) -> dict:
+    """Where a graphed step's wall time goes, without a profiler: host time before the graph inputs are issued
+    (gather, tables, upload), host time issuing the copies and replays, the GPU time of those copies and replays
+    (CUDA events around them), and the rest of the step (waiting for the GPU, the token copy, bookkeeping); ms,
+    means over ``n`` steps."""
+    import torch
+
+    g = exe.graphs
+    if n <= 0 or g is None or not torch.cuda.is_available():
+        return {}
+    marks: list[tuple] = []
+    run = g.run
+
+    def timed_run(*a, **kw):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        e0.record()
+        out = run(*a, **kw)
+        e1.record()
+        marks.append((t0, time.perf_counter(), e0, e1))
+        return out
+
+    g.run = timed_run
+    try:
+        tot = np.zeros(5)
+        k = 0
+        for _ in range(n + 1):
+            plan = next_plan()
+            marks.clear()
+            t = time.perf_counter()
+            exe.execute(plan)
+            t_end = time.perf_counter()
+            if not marks or _ == 0:  # first: warm-up (a capture may land in it)
+                continue
+            t0, t1, e0, e1 = marks[0]
+            tot += [t_end - t, t0 - t, t1 - t0, e0.elapsed_time(e1) / 1e3, t_end - t1]
+            k += 1
+        # the same steps under cProfile: the host functions that take the time (own time, per step)
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        plans = [next_plan() for _ in range(n)]
+        pr.enable()
+        for p in plans:
+            exe.execute(p)
+        pr.disable()
+        st = pstats.Stats(pr)
+        top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]
+        host_top = [{"fn": f"{Path(f).name}:{line}:{name}"[:80], "own_ms_per_step": v[2] / n * 1e3,
+                     "cum_ms_per_step": v[3] / n * 1e3, "calls_per_step": v[1] / n} for (f, line, name), v in top]
+    finally:
+        del g.run  # the instance attribute; the class method shows through again
+    if not k:
+        return {}
+    wall, pre, issue, gpu, rest = tot / k * 1e3
+    return {"host_wall_ms": wall, "host_before_inputs_ms": pre, "host_issue_ms": issue, "gpu_replay_ms": gpu,
+            "host_after_issue_ms": rest, "host_functions": host_top}
 
 
 def events_split(exe, next_plan, n: int) -> dict:
@@ -420,6 +516,24 @@ def markdown(rows: list[dict], mixed: dict, copy_bw: float, meta: dict) -> str:
                      f"{ks['gemm']:.2f} | {ks['decode_attention']:.2f} | {ks['decode_merge']:.2f} | "
                      f"{ks['rope_kv_write'] + ks['kv_write']:.2f} | {ks['norm']:.2f} | {ks['activation']:.2f} | "
                      f"{other:.2f} | {r.get('idle_in_span_ms', float('nan')):.2f} | {'yes' if r['aliased'] else ''} |")
+    cats = [c for c, _ in CATEGORIES + (("other", ""),) if any(f"idle_before_{c}_ms" in r for r in rows)]
+    if cats:
+        lines += ["", "## Idle inside the graph replay, by the kernel that waited (ms per step; launches per step)", "",
+                  "Each gap between kernels is charged to the kernel that starts after it (its launch latency and the "
+                  "drain of the one before).", "",
+                  "| config | batch | context | " + " | ".join(cats) + " |", "|" + "---|" * (3 + len(cats))]
+        for r in rows:
+            lines.append(f"| {r['config']} | {r['batch']} | {r['context']} | " + " | ".join(
+                f"{r.get(f'idle_before_{c}_ms', 0.0):.2f} ({r.get(f'n_{c}', 0):.0f})" for c in cats) + " |")
+    if any("host_wall_ms" in r for r in rows):
+        lines += ["", "## Host timeline of a graphed step (ms, no profiler; CUDA events around the replay)", "",
+                  "| config | batch | context | step (host) | host before the inputs | host issuing copies + replays | "
+                  "GPU copies + replays | host after issuing (wait, tokens, bookkeeping) |", "|" + "---|" * 8]
+        for r in rows:
+            if "host_wall_ms" in r:
+                lines.append(f"| {r['config']} | {r['batch']} | {r['context']} | {r['host_wall_ms']:.2f} | "
+                             f"{r['host_before_inputs_ms']:.2f} | {r['host_issue_ms']:.2f} | {r['gpu_replay_ms']:.2f} | "
+                             f"{r['host_after_issue_ms']:.2f} |")
     if mixed:
         lines += ["", "## Mixed steps (eager): decode rows + one prefill chunk", "",
                   "| config | step | wall ms | gpu span ms | kernels ms | prefill attention ms | compression ms | "
@@ -447,6 +561,8 @@ def _parser():
     p.add_argument("--reserve-gib", type=float, default=6.0, help="memory left free of the KV pool (GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill+decode steps")
+    p.add_argument("--graph-layers", type=int, help="layers per captured decode graph (ExecutorOptions.graph_layers; "
+                   "0: one graph for the whole step)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (emulated graphs, no profiler)")
     p.add_argument("--num-layers", type=int, help="use only this many layers of the model (smoke runs)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))

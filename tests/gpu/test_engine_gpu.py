@@ -5,8 +5,8 @@ selects them; a GPU run does: ``python -m pytest -m gpu tests/gpu``).
   IEEE precision, so a layout bug cannot hide behind bf16 noise): ``full`` through the executor (chunked
   prefill, paged decode, 3 sessions x 2 turns, batched) against the plain model on the same token streams;
 * every mode serves the trace with finite logits (the KV pool is NaN-poisoned) and returns every page;
-* the graph-replayed decode steps give the eager path's logits (3 sessions decode together: bucket 4 with a
-  padded row);
+* the graph-replayed decode steps (one graph per layer, replayed back to back) give the eager path's logits
+  (3 sessions decode together: bucket 4 with a padded row);
 * the fused kernels (RMSNorm, residual add, SiLU*up, RoPE + KV write) against the torch code they replace, and
   the batched compression path against the float64 references, on the model's shapes in bf16.
 """
@@ -44,7 +44,7 @@ def _trace():
                   Turn("c:0", "c", 0, 0.0, 0.0, 200, 9), Turn("c:1", "c", 1, None, 0.0, 30, 6)])
 
 
-def _serve(cfg, model, mode, cuda_graphs):
+def _serve(cfg, model, mode, cuda_graphs, graph_layers=4):
     from tangram.budgets import synthetic_profile
     from tangram.config import EngineConfig
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -55,7 +55,7 @@ def _serve(cfg, model, mode, cuda_graphs):
     eng = EngineConfig(mode=mode, chunk_size=256, max_batched_tokens=512, kv_pool_bytes=2 * 2**30)
     sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
     exe = Executor(model, sched, TokenSource(cfg.vocab, seed=1),
-                   ExecutorOptions(record_logits=True, cuda_graphs=cuda_graphs,
+                   ExecutorOptions(record_logits=True, cuda_graphs=cuda_graphs, graph_layers=graph_layers,
                                    decode_costs=DecodeCosts.load(tables_dir("h100"))))
     res = Cluster(_trace(), [(sched, exe)]).run()
     return sched, exe, res
@@ -83,7 +83,8 @@ def test_full_mode_matches_the_plain_model(llama4):
 @pytest.mark.parametrize("mode", ["full", "uniform", "dynamic", "br", "br+rp", "tangram"])
 def test_every_mode_finite_no_leak_and_graphs_equal_eager(llama4, mode):
     cfg, model = llama4
-    sched, exe, res = _serve(cfg, model, mode, "auto")
+    sched, exe, res = _serve(cfg, model, mode, "auto", graph_layers=1)  # a graph per layer: the carry between them
+    assert len(exe.graphs.pieces) == cfg.num_layers
     assert all(r.status == "finished" for r in res.records) and sched.pool.n_used == 0
     assert all(bool(torch.isfinite(lg).all()) for _, _, lg in exe.logit_log)
     assert exe.graphs is not None and exe.graphs.stats.replays > 0

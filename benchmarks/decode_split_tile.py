@@ -1,14 +1,19 @@
-"""Decode attention on the GPU: split granularity x where the splits are merged (fused into the split kernel or a
-separate launch), on the engine's ragged layouts, with the share of copy bandwidth each variant reaches.
+"""Decode attention on the GPU: split granularity x tile config on the engine's ragged layouts, with the share of
+copy bandwidth each variant reaches.
 
-    python benchmarks/decode_split_merge.py --out DIR [--points paper:32:8192,...] [--configs 128x8x3,...]
+    python benchmarks/decode_split_tile.py --out DIR [--points paper:32:8192,...] [--configs 128x8x3,...]
 
 A point is ``PROFILE:BATCH:CONTEXT`` with PROFILE ``paper`` (H_p 4) / ``tuned`` (H_p 1): the roofline's synthetic
 Llama-3.1-8B profile (rho 0.25, alpha 2, as ``tangram.engine.roofline`` builds it), or ``uniform`` (every head at
 the full context, H_p = H). Per point every split map (no split; Algorithm 1 at 1/2/4 waves; every head cut into
-pieces of at most T tokens; the engine's routed map) is launched with the merge fused and separate, checked once
+pieces of at most T tokens; the engine's routed map) is launched with each tile config, checked once
 against the float64 reference on a NaN-poisoned output, and timed in one interleaved set of CUDA-graph replays
 (``kernels.bench.timing.time_graphs``), so the ratios within a point compare like with like. Last line: JSON.
+
+Measured with it on the H100 (2026-11-24): a merge fused into the split kernel (the head's last split, found by an
+atomic arrival counter, merges; commit bf9c117) was never faster than the separate merge launch: 1.00x with 2
+splits a head, up to 5.8x slower with many (batch 1: every split of a head serialises on its counter's
+acquire/release atomic), so the engine keeps the separate merge (reports/engine/decode_split_tile/).
 """
 from __future__ import annotations
 
@@ -63,11 +68,9 @@ def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, b
     variants = []  # (name, merge, config, schedules)
     for name, S in maps.items():
         scheds = [dec.schedule_from_split_map(S[l], Hp, arena.device) for l in case.layers]
-        merges = ("fused", "separate") if S.max() > 1 else ("none",)
-        for mg in merges:
-            for cfg in (configs if name in ("none", "alg1_w2", "max1024tok", "routed") else configs[:1]):
-                variants.append((name, mg, dec.DecodeConfig(cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                                            fuse_merge=mg != "separate"), scheds, S))
+        mg = "separate" if S.max() > 1 else "none"
+        for cfg in (configs if name in ("none", "alg1_w2", "max1024tok", "routed") else configs[:1]):
+            variants.append((name, mg, cfg, scheds, S))
     ref = ref_paged_decode(case.q[0], case.pool, case.bt[0], case.lens_t[0], case.s2h[0], page_size=16,
                            heads_per_group=Hp)
     fns = []
@@ -125,10 +128,10 @@ def main(argv=None) -> int:
     import pandas as pd
 
     df = pd.DataFrame(rows)
-    df.to_csv(out / "decode_split_merge.csv", index=False)
+    df.to_csv(out / "decode_split_tile.csv", index=False)
     best = df.loc[df.groupby(["profile", "batch", "context"])["us_per_layer"].idxmin()]
     base = df[(df.split == "routed") & (df.block_n == configs[0].block_n) & (df.num_warps == configs[0].num_warps)
-              & (df.num_stages == configs[0].num_stages) & (df.merge != "fused")]
+              & (df.num_stages == configs[0].num_stages)]
     summary = {"device": props.name, "copy_bw_gbps": bw / 1e9, "n_occ": n_occ,
                "best": best[["profile", "batch", "context", "split", "merge", "block_n", "num_warps", "num_stages",
                              "us_per_layer", "of_copy_bw"]].to_dict("records"),
