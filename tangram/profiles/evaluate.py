@@ -58,7 +58,8 @@ def crosslayer_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
     return mask.reshape(scores.shape)
 
 
-def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv") -> torch.Tensor:
+def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv",
+               ranks: dict | None = None) -> torch.Tensor:
     """A compression method's own (dynamic) selection at a budget scope; scores [L, H, T]. The engine's own
     selection (``scope_keep_mask``): per-layer, each layer keeps its target share (rho; PyramidKV's schedule for
     ``pyramidkv``) spread over its heads by score (Ada-KV); cross-layer, one top-k over everything; uniform, each
@@ -66,7 +67,7 @@ def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-
     uniform rows were SnapKV's.)"""
     if scope not in SCOPES:
         raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
-    return scope_keep_mask(scores, rho, scope, method)
+    return scope_keep_mask(scores, rho, scope, method, ranks)
 
 
 @dataclass
@@ -99,17 +100,18 @@ class Mode:
             return float(budget_tokens(self.match, T).sum()) / (L * H * T)
         return self.rho
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor | None:
-        """Keep mask [L, H, T] of one chunk from its scores [L, H, T]; None keeps everything."""
+    def select(self, scores: torch.Tensor, ranks: dict | None = None) -> torch.Tensor | None:
+        """Keep mask [L, H, T] of one chunk from its scores [L, H, T]; None keeps everything. ``ranks``: a memo
+        of these scores' ranks shared by the modes that select from them (``scope_ranks``)."""
         if self.policy == "full":
             return None
         if self.policy == "tangram":
-            return per_head_topk_mask(scores, self.budgets)
+            return per_head_topk_mask(scores, self.budgets, ranks)
         L, H, T = scores.shape
         r = self.keep_ratio(L, H, T)
         if self.policy == "uniform":
-            return scope_mask(scores, r, "uniform", self.scorer)
-        return scope_mask(scores, r, self.scope, self.scorer)
+            return scope_mask(scores, r, "uniform", self.scorer, ranks)
+        return scope_mask(scores, r, self.scope, self.scorer, ranks)
 
 
 # --------------------------------------------------------------------------- profiles
@@ -323,10 +325,12 @@ class _SharedEval:
         out: list[tuple[int, torch.Tensor, list[int]]] = []
         for r, members in enumerate(rows.members):
             by: dict[bytes, int] = {}
+            ranks: dict[str, dict] = {}  # per scorer: its scores' ranks, shared by every share and budget
             for i in members:
                 m = self.modes[i]
                 sc = scores.get(m.scorer) if m.scorer else None
-                mk = None if sc is None else m.select(sc[:, r if sc.shape[1] > 1 else 0])
+                mk = None if sc is None else m.select(sc[:, r if sc.shape[1] > 1 else 0],
+                                                      ranks.setdefault(m.scorer, {}))
                 if mk is None:
                     mk = torch.ones(L, H, T, dtype=torch.bool)
                 key = np.packbits(mk.numpy()).tobytes()
