@@ -2,10 +2,10 @@
 equivalence of two runs' results.
 
 ``run``: the same modes, options and worker code as ``tangram-accuracy`` (every option of that command is accepted
-after ``--``), in this process with one torch thread, for the jobs named by ``--jobs`` (``task:NAME:INDEX:LENGTH``
-or ``kl:INDEX``); each finished job is appended to ``--out`` in ``partial.jsonl``'s line format with its
-``cpu_seconds`` (process user + system time, insensitive to other jobs on the cores). ``--cprofile FILE`` writes
-the cProfile stats of all jobs.
+after ``--``), in this process with one torch thread, for the jobs named by ``--jobs`` (``task:NAME:INDEX:LENGTH``,
+``curve:NAME:INDEX:LENGTH`` or ``kl:INDEX``); each finished job is appended to ``--out`` in ``partial.jsonl``'s line
+format with its ``cpu_seconds`` (process user + system time, insensitive to other jobs on the cores).
+``--cprofile FILE`` writes the cProfile stats (on process time) of all jobs.
 
 ``compare A B``: two such files (or two ``partial.jsonl``) job by job: per-mode task verdicts and first wrong
 position must be identical, kept shares and KL equal within ``--rtol`` (relative, 1e-6 by default, with an absolute
@@ -31,11 +31,11 @@ import numpy as np
 
 def _parse_job(s: str) -> tuple:
     p = s.split(":")
-    if p[0] == "task" and len(p) == 4:
-        return ("task", p[1], int(p[2]), int(p[3]))
+    if p[0] in ("task", "curve") and len(p) == 4:
+        return (p[0], p[1], int(p[2]), int(p[3]))
     if p[0] == "kl" and len(p) == 2:
         return ("kl", int(p[1]))
-    raise SystemExit(f"--jobs: {s!r} is neither task:NAME:INDEX:LENGTH nor kl:INDEX")
+    raise SystemExit(f"--jobs: {s!r} is none of task:NAME:INDEX:LENGTH, curve:NAME:INDEX:LENGTH, kl:INDEX")
 
 
 def run(ns, rest: list[str]) -> int:
