@@ -155,10 +155,11 @@ class KVzipScorer(ChunkScorer):
         self.cpu_seconds += time.process_time() - c
 
     def _reconstruction_scores(self, ev: AttnEvent) -> torch.Tensor:
-        """Each chunk key's largest repeat-query probability. The softmax rows are computed a block of repeat
-        queries at a time (about ``_SCORE_BLOCK`` elements: the block stays in cache and its buffers are reused
-        instead of page-faulting a fresh [B, Hq, R, n] tensor per layer); each row is computed exactly as whole,
-        and the max over blocks is exact, so the scores equal the unblocked ones bit for bit."""
+        """Each chunk key's largest repeat-query probability. The masking, softmax and max run a block of repeat
+        queries at a time (about ``_SCORE_BLOCK`` elements, reused from block to block, instead of three more
+        [B, Hq, R, n] tensors per layer); the score GEMM runs whole (its bits depend on its row count), each
+        softmax row is computed as when whole and the max over blocks is exact: the scores equal the unblocked
+        computation's bit for bit."""
         cs, ce = self._chunk
         B, H, N, D = ev.k.shape
         Hq, R = ev.q.shape[1], ev.q.shape[2]
