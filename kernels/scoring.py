@@ -284,25 +284,44 @@ def _kept(share, n: int) -> np.ndarray:
     return np.clip(np.ceil(np.asarray(share, dtype=np.float64) * n - 1e-9), 1, n).astype(np.int64)
 
 
-def scope_keep_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv") -> torch.Tensor:
+def scope_ranks(scores: torch.Tensor, scope: str, ranks: dict | None = None) -> torch.Tensor:
+    """:func:`rank_desc` of scores [L, H, T] in a scope's order: over everything (cross-layer), per layer over all
+    heads (per-layer), per head (uniform), shaped [L, H, T]. ``ranks`` memoises them by scope: every share and
+    every budget of one scores tensor selects from the same ranks (the evaluation selects 30-odd modes a chunk)."""
+    kind = scope if scope in ("cross-layer", "per-layer") else "uniform"
+    if ranks is not None and kind in ranks:
+        return ranks[kind]
+    L, H, T = scores.shape
+    if kind == "cross-layer":
+        out = rank_desc(scores.reshape(-1)).reshape(L, H, T)
+    elif kind == "per-layer":
+        out = rank_desc(scores.reshape(L, H * T)).reshape(L, H, T)
+    else:
+        out = rank_desc(scores)
+    if ranks is not None:
+        ranks[kind] = out
+    return out
+
+
+def scope_keep_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv",
+                    ranks: dict | None = None) -> torch.Tensor:
     """Keep mask [L, H, T] of one chunk's scores [L, H, T] under a budget scope (ties: lower index first).
 
     per-layer: layer l keeps its top ceil(r_l H T) over all heads at once; cross-layer: the top ceil(rho L H T)
-    over everything; uniform: each head its top ceil(r_l T). r_l: :func:`tangram.budgets.layer_targets`."""
+    over everything; uniform: each head its top ceil(r_l T). r_l: :func:`tangram.budgets.layer_targets`.
+    ``ranks``: a memo of :func:`scope_ranks` for these scores."""
     check_method_scope(method, scope)
     L, H, T = scores.shape
     targets = layer_targets(method, scope, L, rho)
     dev = scores.device
+    rk = scope_ranks(scores, scope, ranks)
     if scope == "cross-layer":
-        k = int(_kept(rho, L * H * T))
-        return (rank_desc(scores.reshape(-1)) < k).reshape(L, H, T)
+        return rk < int(_kept(rho, L * H * T))
     if scope == "per-layer":
-        k = torch.as_tensor(_kept(targets, H * T), device=dev)
-        return (rank_desc(scores.reshape(L, H * T)) < k[:, None]).reshape(L, H, T)
-    k = torch.as_tensor(_kept(targets, T), device=dev)
-    return rank_desc(scores) < k[:, None, None]
+        return rk < torch.as_tensor(_kept(targets, H * T), device=dev)[:, None, None]
+    return rk < torch.as_tensor(_kept(targets, T), device=dev)[:, None, None]
 
 
 __all__ = ["ScoreParams", "Method", "REGISTRY", "METHODS", "SCOPES", "ENGINE_METHODS", "method_spec", "chunk_scores",
-           "engine_chunk_scores", "scope_keep_mask", "rank_desc", "snapkv_window", "window_probs", "snapkv_finish", "snapkv_finish_batched",
+           "engine_chunk_scores", "scope_keep_mask", "scope_ranks", "rank_desc", "snapkv_window", "window_probs", "snapkv_finish", "snapkv_finish_batched",
            "tova_finish", "keydiff_scores", "streaming_scores", "expected_attention_scores", "rope_cos_sin"]

@@ -468,3 +468,17 @@ def test_replace_scorer_rows_from_a_remeasurement(tmp_path):
     AccuracyTable("m", other.rows, {}, {"passkey": {"context_tokens": 1024}}).save(tmp_path / "x.json")
     assert main(["replace-scorer", str(bp), str(tmp_path / "x.json"), "p"]) == 2
     assert AccuracyTable.load(bp).rows == base.rows  # a refused merge writes nothing
+
+
+def test_greedy_takes_the_first_largest_logit_in_every_precision():
+    """bfloat16 logits are compared through float32 (faster on the CPU): the argmax must stay the first largest
+    entry, ties included (bfloat16 rounds many neighbouring logits to one value)."""
+    from tangram.profiles.evaluate import greedy
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(5, 3, 300, generator=g) * 0.01).round(decimals=2)  # many ties
+    for dt in (torch.bfloat16, torch.float32):
+        y = x.to(dt)
+        want = torch.tensor([[max(range(300), key=lambda i: (float(y[a, b, i]), -i)) for b in range(3)]
+                             for a in range(5)])
+        assert torch.equal(greedy(y), want)
+        assert torch.equal(greedy(y[0, 0]), want[0, 0])

@@ -17,8 +17,9 @@ from tangram.engine.weights import build_model, random_state_dict
 from tangram.errors import ConfigError
 from tangram.kernels import reference as R
 from tangram.kernels.scoring import (ENGINE_METHODS, ScoreParams, chunk_scores, engine_chunk_scores,
-                                     scope_keep_mask)
-from tangram.profiles.scoring import KVzipScorer, event_lse2, make_scorer
+                                     scope_keep_mask, scope_ranks)
+from tangram.profiles import scoring as profile_scoring
+from tangram.profiles.scoring import KVzipScorer, event_lse2, make_scorer, per_head_topk_mask
 
 D = 16
 
@@ -205,6 +206,31 @@ def test_scope_masks():
     assert layer_targets("tova", "cross-layer", L, rho) is None
 
 
+def test_memoised_ranks_give_each_shares_own_selection():
+    """One ranks memo serves every share, scope and per-head budget of a scores tensor (the accuracy harness
+    selects 30-odd modes a chunk from it): each mask keeps exactly its count of the highest scores, lower index
+    first on ties, as a selection from scratch would."""
+    gen = torch.Generator().manual_seed(_seed())
+    L, H, T = 3, 2, 40
+    s = torch.randint(0, 6, (L, H, T), generator=gen).float()  # many ties
+    memo: dict = {}
+    for rho in (0.75, 0.5, 0.25, 0.1):
+        for scope, n in (("cross-layer", (L * H * T,)), ("per-layer", (L, H * T)), ("uniform", (L, H, T))):
+            got = scope_keep_mask(s, rho, scope, ranks=memo)
+            flat, gflat = s.reshape(n), got.reshape(n)
+            k = math.ceil(rho * n[-1] - 1e-9)
+            # the top k by (score desc, index asc), computed by sorting index-score pairs in Python
+            want = torch.zeros_like(gflat)
+            for row in np.ndindex(*n[:-1]):
+                order = sorted(range(n[-1]), key=lambda i: (-float(flat[row][i]), i))[:k]
+                want[row][order] = True
+            assert torch.equal(gflat, want), (rho, scope)
+    assert set(memo) == {"cross-layer", "per-layer", "uniform"}
+    B = torch.rand(L, H, generator=gen).numpy()
+    assert torch.equal(per_head_topk_mask(s, B, memo), per_head_topk_mask(s, B))
+    assert scope_ranks(s, "uniform", memo) is memo["uniform"]
+
+
 # ------------------------------------------------------------------ observers
 
 
@@ -260,7 +286,11 @@ class _Tok:
         return f"<user>{messages[0]['content']}</user><assistant>"
 
 
-def test_kvzip_reconstruction_scores_match_float64_reference():
+@pytest.mark.parametrize("block", [None, 1, 2000])
+def test_kvzip_reconstruction_scores_match_float64_reference(block, monkeypatch):
+    """``block``: KVzip's repeat-query blocks (elements), so one, several uneven and one-row blocks are checked."""
+    if block is not None:
+        monkeypatch.setattr(profile_scoring, "_SCORE_BLOCK", block)
     cfg, model = _tiny_model(_seed())
     gen = torch.Generator().manual_seed(_seed())
     tok = _Tok()

@@ -196,6 +196,14 @@ def _mode_dict(m: Mode) -> dict:
 # --------------------------------------------------------------------------- running
 
 
+def job_options(args) -> dict:
+    """What a worker needs to run a job (part of partial.jsonl's fingerprint: a change re-measures every sample)."""
+    return {"split": args.split, "turns": args.turns, "chunk": args.chunk_size, "batch": args.batch,
+            "window": args.window, "kl_context": args.kl_context, "kl_continuation": args.kl_continuation,
+            "calib_context": args.calib_context_tokens, "dtype": args.dtype, "dtype_check": args.dtype_check,
+            "curve_split": args.curve_split}
+
+
 def run(args, lists: dict, out: Path) -> dict:
     from tangram.config import get_model
     from tangram.profiles.evaluate import ProfileStore, build_modes, run_jobs, write_profiles
@@ -204,10 +212,7 @@ def run(args, lists: dict, out: Path) -> dict:
     t_start = time.time()
     timings = {}
     dirs = [d.strip() for d in args.profiles.split(",") if d.strip()] + [str(out / "profiles")]
-    opts = {"split": args.split, "turns": args.turns, "chunk": args.chunk_size, "batch": args.batch,
-            "window": args.window, "kl_context": args.kl_context, "kl_continuation": args.kl_continuation,
-            "calib_context": args.calib_context_tokens, "dtype": args.dtype, "dtype_check": args.dtype_check,
-            "curve_split": args.curve_split}
+    opts = job_options(args)
     common = dict(workers=args.workers, threads=args.threads, model_name=args.model, weights=args.weights,
                   progress=not args.no_progress)
     store = ProfileStore(cfg.name, dirs)

@@ -58,7 +58,8 @@ def crosslayer_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
     return mask.reshape(scores.shape)
 
 
-def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv") -> torch.Tensor:
+def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-snapkv",
+               ranks: dict | None = None) -> torch.Tensor:
     """A compression method's own (dynamic) selection at a budget scope; scores [L, H, T]. The engine's own
     selection (``scope_keep_mask``): per-layer, each layer keeps its target share (rho; PyramidKV's schedule for
     ``pyramidkv``) spread over its heads by score (Ada-KV); cross-layer, one top-k over everything; uniform, each
@@ -66,7 +67,7 @@ def scope_mask(scores: torch.Tensor, rho: float, scope: str, method: str = "ada-
     uniform rows were SnapKV's.)"""
     if scope not in SCOPES:
         raise ConfigError(f"unknown budget scope {scope!r}; choose from {', '.join(SCOPES)}")
-    return scope_keep_mask(scores, rho, scope, method)
+    return scope_keep_mask(scores, rho, scope, method, ranks)
 
 
 @dataclass
@@ -99,17 +100,18 @@ class Mode:
             return float(budget_tokens(self.match, T).sum()) / (L * H * T)
         return self.rho
 
-    def select(self, scores: torch.Tensor) -> torch.Tensor | None:
-        """Keep mask [L, H, T] of one chunk from its scores [L, H, T]; None keeps everything."""
+    def select(self, scores: torch.Tensor, ranks: dict | None = None) -> torch.Tensor | None:
+        """Keep mask [L, H, T] of one chunk from its scores [L, H, T]; None keeps everything. ``ranks``: a memo
+        of these scores' ranks shared by the modes that select from them (``scope_ranks``)."""
         if self.policy == "full":
             return None
         if self.policy == "tangram":
-            return per_head_topk_mask(scores, self.budgets)
+            return per_head_topk_mask(scores, self.budgets, ranks)
         L, H, T = scores.shape
         r = self.keep_ratio(L, H, T)
         if self.policy == "uniform":
-            return scope_mask(scores, r, "uniform", self.scorer)
-        return scope_mask(scores, r, self.scope, self.scorer)
+            return scope_mask(scores, r, "uniform", self.scorer, ranks)
+        return scope_mask(scores, r, self.scope, self.scorer, ranks)
 
 
 # --------------------------------------------------------------------------- profiles
@@ -242,6 +244,12 @@ class EvalAttention(TorchAttention):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax over the vocabulary (last dim), first index on ties. bfloat16 logits are compared as float32 (exact
+    conversion, the same argmax): torch's bfloat16 argmax is about 3x slower on this CPU."""
+    return (logits.float() if logits.dtype == torch.bfloat16 else logits).argmax(-1)
+
+
 def _forward(model, backend: TorchAttention, ids: list[int], rows: int, last_only: bool) -> torch.Tensor:
     t = torch.as_tensor(ids, dtype=torch.long)[None].expand(rows, -1)
     n0 = backend.length
@@ -311,7 +319,7 @@ class _SharedEval:
         self.kl = np.zeros(M) if continuation is not None else None
         self.top1 = np.ones(M) if continuation is not None else None
         self.free = None
-        self.full_logp = None
+        self.full_logp = self.full_p = None
         self.events = _events(turns, chunk, continuation)
 
     # ------------------------------------------------------------------ selection
@@ -323,10 +331,12 @@ class _SharedEval:
         out: list[tuple[int, torch.Tensor, list[int]]] = []
         for r, members in enumerate(rows.members):
             by: dict[bytes, int] = {}
+            ranks: dict[str, dict] = {}  # per scorer: its scores' ranks, shared by every share and budget
             for i in members:
                 m = self.modes[i]
                 sc = scores.get(m.scorer) if m.scorer else None
-                mk = None if sc is None else m.select(sc[:, r if sc.shape[1] > 1 else 0])
+                mk = None if sc is None else m.select(sc[:, r if sc.shape[1] > 1 else 0],
+                                                      ranks.setdefault(m.scorer, {}))
                 if mk is None:
                     mk = torch.ones(L, H, T, dtype=torch.bool)
                 key = np.packbits(mk.numpy()).tobytes()
@@ -412,7 +422,7 @@ class _SharedEval:
         feed = list(ans) + ([self.eos] if t < len(self.turns) - 1 and self.eos is not None else [])
         lgA = _forward(self.model, br, feed, R, False)  # [R, len(feed), V]
         n = len(ans)
-        preds = torch.cat([rows.lg.argmax(-1)[:, None], lgA[:, :n].argmax(-1)], dim=1)  # [R, n + 1]
+        preds = torch.cat([greedy(rows.lg)[:, None], greedy(lgA[:, :n])], dim=1)  # [R, n + 1]
         hit = preds[:, :n] == torch.as_tensor(ans)[None]
         ok = hit.all(dim=1)
         if self.continues is not None:
@@ -430,10 +440,11 @@ class _SharedEval:
             ref = [r for r, ms in enumerate(rows.members) if self.full_idx in ms]
             if not ref:
                 raise RuntimeError("the full cache must be evaluated first")
-            self.full_logp = lp[ref[0]]
-        p = self.full_logp.exp()
-        d = (p[None] * (self.full_logp[None] - lp)).sum(-1)  # [R, K]
+            self.full_logp = lp[ref[0]].clone()
+            self.full_p = self.full_logp.exp()
         agree = (lp.argmax(-1) == self.full_logp.argmax(-1)[None]).float()
+        # sum_v p (log p - log q), in place on lp (a [R, K, V] float32 block: no two more temporaries of its size)
+        d = torch.sub(self.full_logp[None], lp, out=lp).mul_(self.full_p[None]).sum(-1)  # [R, K]
         for r, ms in enumerate(rows.members):
             self.kl[ms] = float(d[r].mean())
             self.top1[ms] = float(agree[r].mean())
@@ -459,6 +470,7 @@ def first_chunk(model, modes: list[Mode], c0: list[int], window: int | None, tok
     return base_sc, base, logits0, scores0
 
 
+@torch.no_grad()
 def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[int] | None]], *, chunk: int,
                     batch: int = 16, window: int | None = None, eos: int | None = None,
                     continues: torch.Tensor | None = None, continuation: list[int] | None = None,
@@ -482,7 +494,7 @@ def evaluate_sample(model, modes: list[Mode], turns: list[tuple[list[int], list[
     base_sc, base, logits0, scores0 = first_chunk(model, modes, c0, window, tokenizer)
     ev = _SharedEval(model, modes, turns, chunk, batch, eos, continues, continuation, free_check, base_sc, full_idx)
     if (nT == 1 and continuation is None and len(prompt0) <= chunk and turns[0][1]
-            and int(logits0[0].argmax()) != turns[0][1][0]):
+            and int(greedy(logits0[0])) != turns[0][1][0]):
         # one chunk, one question: the first answer token comes from the shared prefill logits for every mode,
         # and it is wrong, so every mode is wrong (kept shares are not measured for this sample)
         if free_check is not None:
@@ -507,7 +519,7 @@ def _free_decode(model, br: TorchAttention, lg: torch.Tensor, ans: list[int], ch
     n0 = br.length
     out, logits = [], lg[0]
     for _ in range(max_new):
-        t = int(logits.argmax())
+        t = int(greedy(logits))
         out.append(t)
         if t == eos:
             break

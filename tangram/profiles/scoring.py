@@ -26,6 +26,7 @@ from tangram.budgets import METHODS, SCOPES
 from tangram.engine.model import AttnEvent
 from tangram.errors import ConfigError
 from tangram.kernels.scoring import (LOG2E, ScoreParams, chunk_scores, method_spec, rank_desc, scope_keep_mask,
+                                     scope_ranks,
                                      snapkv_window)
 
 
@@ -110,6 +111,9 @@ def event_lse2(ev: AttnEvent, b: int, rows: int) -> torch.Tensor:
     return lse
 
 
+_SCORE_BLOCK = 1 << 20  # elements of one block of KVzip's repeat-query scores (4 MB in float32)
+
+
 class KVzipScorer(ChunkScorer):
     """KVzip (Kim et al. 2025; kvpress ``KVzipPress``): a key matters as much as the model needs it to repeat its
     context. After a chunk is prefilled, ``after_chunk`` feeds "\\n\\nRepeat the previous context exactly." (later
@@ -151,19 +155,32 @@ class KVzipScorer(ChunkScorer):
         self.cpu_seconds += time.process_time() - c
 
     def _reconstruction_scores(self, ev: AttnEvent) -> torch.Tensor:
+        """Each chunk key's largest repeat-query probability. The masking, softmax and max run a block of repeat
+        queries at a time (about ``_SCORE_BLOCK`` elements, reused from block to block, instead of three more
+        [B, Hq, R, n] tensors per layer); the score GEMM runs whole (its bits depend on its row count), each
+        softmax row is computed as when whole and the max over blocks is exact: the scores equal the unblocked
+        computation's bit for bit."""
         cs, ce = self._chunk
         B, H, N, D = ev.k.shape
         Hq, R = ev.q.shape[1], ev.q.shape[2]
-        g = Hq // H
+        g, c = Hq // H, ce - cs
         sink = min(self.params.n_sink, cs)
         idx = torch.cat([torch.arange(sink), torch.arange(cs, ce), torch.arange(ev.new_start, N)])
+        n, off = idx.numel(), sink + c
         Ks = ev.k[:, :, idx].float().repeat_interleave(g, dim=1)  # [B, Hq, n, D]
-        s = torch.einsum("bhrd,bhnd->bhrn", ev.q.float(), Ks) * ev.scale
-        ok = ev.keep[:, :, idx].repeat_interleave(g, dim=1)[:, :, None, :].expand(B, Hq, R, idx.numel()).clone()
+        q = ev.q.float()
+        drop = ~ev.keep[:, :, idx].repeat_interleave(g, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
         rep = torch.arange(R)
-        ok[..., sink + ce - cs:] &= rep[None, :] <= rep[:, None]  # the repeat attends to itself causally
-        p = torch.softmax(s.masked_fill(~ok, -math.inf), dim=-1)[..., sink:sink + ce - cs]  # [B, Hq, R, c]
-        sc = p.amax(dim=2).view(B, H, g, ce - cs).amax(dim=2)
+        step = max(1, _SCORE_BLOCK // max(1, B * Hq * n))
+        best = None
+        S = torch.einsum("bhrd,bhnd->bhrn", q, Ks)  # whole: a GEMM's bits depend on its row count
+        for a in range(0, R, step):
+            s = S[:, :, a:a + step] * ev.scale
+            s.masked_fill_(drop, -math.inf)
+            s[..., off:].masked_fill_(rep[None, :] > rep[a:a + step, None], -math.inf)  # the repeat is causal
+            blk = torch.softmax(s, dim=-1)[..., sink:off].amax(dim=2)  # [B, Hq, c]
+            best = blk if best is None else torch.maximum(best, blk)
+        sc = best.view(B, H, g, c).amax(dim=2)
         pos = ev.k_pos[cs:ce]
         return sc.masked_fill((pos < self.params.n_sink)[None, None, :], math.inf)
 
@@ -212,12 +229,15 @@ def budget_tokens(ratio, n: int) -> np.ndarray:
     return np.clip(np.ceil(np.asarray(ratio, dtype=np.float64) * n), 1, n).astype(np.int64)
 
 
-def per_head_topk_mask(scores: torch.Tensor, budgets: np.ndarray | torch.Tensor | float) -> torch.Tensor:
-    """Tangram/uniform selection: head (l, h) keeps its top-ceil(B[l,h] * T) keys. scores [..., H, T]."""
+def per_head_topk_mask(scores: torch.Tensor, budgets: np.ndarray | torch.Tensor | float,
+                       ranks: dict | None = None) -> torch.Tensor:
+    """Tangram/uniform selection: head (l, h) keeps its top-ceil(B[l,h] * T) keys. scores [..., H, T];
+    ``ranks``: a memo of :func:`scope_ranks` for scores [L, H, T] (their per-head ranks are these)."""
     T = scores.shape[-1]
     k = torch.as_tensor(budget_tokens(np.broadcast_to(np.asarray(budgets, dtype=np.float64), scores.shape[:-1]), T),
                         device=scores.device)
-    return _rank_desc(scores) < k[..., None]
+    rk = scope_ranks(scores, "uniform", ranks) if ranks is not None else _rank_desc(scores)
+    return rk < k[..., None]
 
 
 def global_topk_mask(scores: torch.Tensor, rho: float) -> torch.Tensor:
