@@ -186,6 +186,7 @@ class CostModel:
                                             f"plans aim at {self.n_cta} (n_cta_scale {engine.n_cta_scale:g}); "
                                             f"partition={self.partition}")
         self._split_maps: dict[tuple[int, int], np.ndarray] = {}
+        self._reps: dict[tuple[int, int, int], np.ndarray] = {}  # _aot_reps, the last few
         # the AOT regime choice's launch costs: the same file the engine's split table reads (one choice)
         self.decode_costs = DecodeCosts.load(self.tables.directory) if self.tables.directory is not None else None
         if self.partition == "aot":
@@ -461,31 +462,47 @@ class CostModel:
         its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
         kd, L, H = lens.shape
         plan_s = 0.0
+        by_layer = lens.transpose(1, 0, 2)  # launch order: request, slot, split
+        size = np.empty((L, kd, H))  # CTA sizes in tokens, then bytes (row-major: a free reshape to [L, kd*H])
         if self.partition == "aot":
-            per_head = np.repeat(self.split_map(kd, context), self.layout.heads_per_group, axis=1)  # [L, H], slots
-            reps = np.broadcast_to(per_head[:, None, :], (L, kd, H))  # launch order: request, slot, split
-            size = lens.transpose(1, 0, 2) / reps
+            reps = self._aot_reps(kd, context)
+            np.divide(by_layer, reps.reshape(L, kd, H), out=size)
         elif self.partition == "static":
             d = self.model.head_dim
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
             n_blocks = -(-int(lens.max(initial=1)) // block_n)
             s = self._static_split(kd * H, max(1, n_blocks))
-            size = lens.transpose(1, 0, 2) / s  # [L, kd, H]
-            reps = np.full(size.shape, s, dtype=np.int64)
+            np.divide(by_layer, s, out=size)
+            reps = np.full((L, kd * H), s, dtype=np.int64)
         else:  # runtime: FlashInfer-style per-layer plan recomputed every step on the host
             rp = runtime_plan(lens, self.n_cta)
-            reps = np.stack(rp.splits).astype(np.int64)  # [L, kd, H]
-            size = lens.transpose(1, 0, 2) / reps
+            reps = np.stack(rp.splits).astype(np.int64).reshape(L, -1)  # [L, kd * H]
+            np.divide(by_layer, reps.reshape(L, kd, H), out=size)
             plan_s = rp.host_items * self.host.runtime_plan_item_s
-        t = self._waves(size.reshape(L, -1), np.asarray(reps).reshape(L, -1))
-        n_partials = int(np.asarray(reps).sum())
+        size *= self.tok_head_bytes
+        t = float(wave_time(size.reshape(L, -1), reps, self.n_occ, self.dec_bw, self.cta_bw).sum())
+        n_partials = int(reps.sum())
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         launches = L * self.dec_launch  # the fitted intercept of a call includes its merge kernel
         return t + combine + launches, plan_s
 
-    def _waves(self, size_tokens: np.ndarray, reps: np.ndarray) -> float:
-        """Per layer: CTAs in launch order in waves of the resident CTAs (:func:`tangram.planner.wave_time`)."""
-        return float(wave_time(size_tokens * self.tok_head_bytes, reps, self.n_occ, self.dec_bw, self.cta_bw).sum())
+    def _aot_reps(self, batch: int, context: int | None) -> np.ndarray:
+        """CTAs per (layer, request x slot) of the AOT split map, [L, batch * H] int64 (read-only; the last few
+        kept: a batch is priced again and again while it runs)."""
+        b = pow2_bucket(batch) if self.params.aot_batch_buckets else 1
+        c = decode_context_bucket(context) if context is not None else decode_context_bucket(1 << 30)
+        key = (batch, b, c)
+        reps = self._reps.get(key)
+        if reps is None:
+            S = self.split_map(batch, context)
+            per_head = np.repeat(S, self.layout.heads_per_group, axis=1).astype(np.int64)  # [L, H], slots
+            L, H = per_head.shape
+            reps = np.ascontiguousarray(np.broadcast_to(per_head[:, None, :], (L, batch, H))).reshape(L, -1)
+            reps.flags.writeable = False
+            if len(self._reps) >= 8:
+                self._reps.pop(next(iter(self._reps)))
+            self._reps[key] = reps
+        return reps
 
     # ------------------------------------------------------------------ prefill
     def _prefill_attention(self, plan: StepPlan) -> tuple[float, float]:

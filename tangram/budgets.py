@@ -279,11 +279,16 @@ def _rescale_layer_mean(r: np.ndarray, rho, iters: int = 30) -> np.ndarray:
     rho = np.broadcast_to(np.asarray(rho, dtype=np.float64), r.shape[:-1] + (1,))
     lo = np.zeros(r.shape[:-1] + (1,))
     hi = 1.0 / np.maximum(rho, 1e-9) * 1e3
+    # into buffers, the mean as ndarray.mean computes it (sum, then / count): the simulator's dynamic mode runs
+    # this for every prefill step, on arrays small enough that each numpy call's overhead is its cost
+    x, m = np.empty(np.broadcast_shapes(r.shape, lo.shape)), np.empty(lo.shape)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        m = np.minimum(1.0, r * mid).mean(axis=-1, keepdims=True)
-        hi = np.where(m > rho, mid, hi)
-        lo = np.where(m > rho, lo, mid)
+        np.minimum(1.0, np.multiply(r, mid, out=x), out=x)
+        np.divide(np.add.reduce(x, axis=-1, keepdims=True, out=m), r.shape[-1], out=m)
+        above = m > rho
+        hi = np.where(above, mid, hi)
+        lo = np.where(above, lo, mid)
     return np.clip(r * 0.5 * (lo + hi), 1e-4, 1.0)
 
 

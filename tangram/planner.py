@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -175,7 +176,7 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     Only the tail (at most ``n_occ`` CTAs a row) is materialised: the body is the row's total bytes minus the
     tail's, so a step costs O(entries + L * n_occ), not O(CTAs) (the simulator prices ~10^5 decode launches)."""
     size_bytes = np.asarray(size_bytes, dtype=np.float64)
-    reps = np.asarray(reps).astype(np.int64)
+    reps = np.asarray(reps).astype(np.int64, copy=False)
     L = size_bytes.shape[0]
     size_bytes, reps = size_bytes.reshape(L, -1), reps.reshape(L, -1)
     per_layer = reps.sum(axis=1)
@@ -186,24 +187,45 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
     # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
-    after = np.cumsum(reps[:, ::-1], axis=1)[:, ::-1] - reps
-    k = np.clip(tail_n[:, None] - after, 0, reps)  # CTAs of entry i in the tail
+    k = np.cumsum(reps, axis=1)
+    np.subtract(per_layer[:, None], k, out=k)  # after_i
+    np.subtract(tail_n[:, None], k, out=k)
+    np.maximum(k, 0, out=k)
+    np.minimum(k, reps, out=k)  # CTAs of entry i in the tail
     total = (size_bytes * reps).sum(axis=1)
     tail_bytes = (size_bytes * k).sum(axis=1)
     body = (total - tail_bytes) / bw
-    kf = k.ravel()
+    # the tails are the rows' last entries: gather them from the columns some row's tail reaches only
+    used = np.flatnonzero(k.any(axis=0))
+    c0, c1 = int(used[0]), int(used[-1]) + 1
+    ks = k[:, c0:c1]
+    kf = ks.ravel()
     nz = np.flatnonzero(kf)
-    vals = np.repeat(size_bytes.ravel()[nz], kf[nz])
-    row = np.repeat(nz // size_bytes.shape[1], kf[nz])
+    cnt = kf[nz]
+    vals = np.repeat(size_bytes[:, c0:c1].ravel()[nz], cnt)
+    row = np.repeat(nz // ks.shape[1], cnt)
     start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
     col = np.arange(vals.size) - start[row]
+    # each sorted row starts with its zero padding, so only the longest tail's columns need sorting
     tail = np.zeros((L, N))
-    tail[row, col] = vals
-    tail.sort(axis=1)  # ascending; padding zeros first
-    diffs = np.diff(tail, axis=1, prepend=0.0)
-    active = N - np.arange(N)  # CTAs still running while the j-th smallest finishes
-    per_byte = np.maximum(active / bw, 1.0 / cta_bw)
-    return body + (diffs * per_byte[None, :]).sum(axis=1) + waves * cta_s
+    sub = tail[:, N - int(tail_n.max()):]
+    sub[row, col] = vals
+    sub.sort(axis=1)
+    diffs = np.empty_like(tail)  # np.diff(tail, prepend=0), without the concatenation
+    diffs[:, 0] = tail[:, 0]
+    np.subtract(tail[:, 1:], tail[:, :-1], out=diffs[:, 1:])
+    diffs *= _tail_rates(N, float(bw), float(cta_bw))
+    return body + diffs.sum(axis=1) + waves * cta_s
+
+
+@lru_cache(maxsize=64)
+def _tail_rates(n: int, bw: float, cta_bw: float) -> np.ndarray:
+    """Seconds per byte of the j-th smallest CTA of a last wave of ``n``: bandwidth shared by the ``n - j`` still
+    running, each capped at one CTA's rate (read-only: shared between calls)."""
+    active = n - np.arange(n)  # CTAs still running while the j-th smallest finishes
+    out = np.maximum(active / bw, 1.0 / cta_bw)
+    out.flags.writeable = False
+    return out
 
 
 def decode_layer_times(lens: np.ndarray, S: np.ndarray, heads_per_group: int, batch: int, n_occ: int,

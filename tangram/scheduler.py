@@ -143,6 +143,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.idle: OrderedDict[str, None] = OrderedDict()  # resident idle sessions, LRU first
         self.stats = SchedulerStats()
+        self._keep_of: dict[int, np.ndarray] = {}  # _keep_one
         self._head_tokens = 0  # head-tokens held, summed over rows (sum of head_lens over resident KV)
         # shared prefixes: whole pages in full mode, whole chunks of a fresh prefill in compressed modes
         self.pc = PrefixCache(self.layout, self.pool, engine.chunk_size, page_units=self.retention == "full") \
@@ -169,6 +170,16 @@ class Scheduler:
         c = np.asarray(c, dtype=np.int64)
         return np.ceil(self.keep_ratio[None] * c[:, None, None] - 1e-9).astype(np.int64)
 
+    def _keep_one(self, c: int) -> np.ndarray:
+        """``_keep`` of one chunk length, [L, H] (read-only, kept per length: a replay asks for the same few
+        chunk lengths ~10^5 times)."""
+        k = self._keep_of.get(c)
+        if k is None:
+            k = self._keep(np.array([c]))[0]
+            k.flags.writeable = False
+            self._keep_of[c] = k
+        return k
+
     def _prefill_keep_total(self, prompt: int, start: int = 0, cuts: np.ndarray | None = None) -> np.ndarray:
         """Post-compression tokens per head after prefilling ``prompt`` tokens from ``start`` in chunks of C (also
         cut at ``cuts``, chunks of C restarting after each cut)."""
@@ -183,8 +194,10 @@ class Scheduler:
             f, r = divmod(int(x), C)
             n_full += f
             rems.append(r)
-        k = self._keep(np.array([C] + rems))
-        return n_full * k[0] + k[1:].sum(axis=0)
+        out = n_full * self._keep_one(C)
+        for r in rems:
+            out += self._keep_one(r)
+        return out
 
     def _chunk_len(self, remaining: int, pos: int, cuts: np.ndarray | None) -> int:
         """Tokens of the next chunk at context position ``pos``."""
@@ -429,7 +442,7 @@ class Scheduler:
             if self.engine.reserve_exact:
                 final = base + self._prefill_keep_total(prompt - hit, hit, cuts)
             else:  # pages come chunk by chunk; admission only checks the first chunk fits
-                final = base + self._keep(np.array([self._chunk_len(prompt - hit, hit, cuts)]))[0]
+                final = base + self._keep_one(self._chunk_len(prompt - hit, hit, cuts))
             need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held - shared)
             # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
             # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
@@ -564,7 +577,7 @@ class Scheduler:
         if c > budget and pf:  # the first chunk of a step may overrun the budget so prefill never starves
             return 0
         before = self.head_lens[row].copy()
-        keep = self._keep(np.array([c]))[0]
+        keep = self._keep_one(c)
         upper = before + keep  # global: keep == c, the over-allocation
         tl = self.layout.table_lens(upper)[None]
         if not self.engine.reserve_exact:
@@ -611,11 +624,12 @@ class Scheduler:
                 if req.reg >= 0:
                     self._register(req)
             self._prefix_peaks()
-        for i in range(plan.num_prefill):
-            if plan.prefill_last[i]:
-                self._emit_token(self.requests[int(plan.prefill_ids[i])], events)
-        for rid in plan.decode_ids:
-            self._emit_token(self.requests[int(rid)], events)
+        reqs = self.requests
+        if plan.num_prefill:
+            for rid in plan.prefill_ids[plan.prefill_last].tolist():
+                self._emit_token(reqs[rid], events)
+        for rid in plan.decode_ids.tolist():
+            self._emit_token(reqs[rid], events)
         return events
 
     def _emit_token(self, req: Request, events: list[Event]) -> None:
@@ -762,7 +776,7 @@ class Scheduler:
         for _, r, c, _ in chunks:
             kc = keep_of.get(c)
             if kc is None:
-                kc = keep_of[c] = self._keep(np.array([c]))[0]
+                kc = keep_of[c] = self._keep_one(c)
             b = grown.get(r.rid)
             if b is None:
                 b, ctx[r.rid] = self.head_lens[r.row], int(self.ctx[r.row])

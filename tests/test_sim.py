@@ -563,3 +563,29 @@ def test_every_shipped_profile_is_complete_and_labelled():
                     np.testing.assert_allclose(lm, rho, atol=0.01)
                 elif scope == "cross-layer":
                     assert p.mu.mean() == pytest.approx(rho, abs=0.01)
+
+
+def test_prefill_table_reads_each_query_on_its_own_inside_and_outside_the_hull():
+    """A batch mixing queries inside the measured hull (log-linear interpolation: exact at a measured point) and
+    outside it (the nearest measured point, attention scaled by the work c (x + H c / 2), the other kernels by the
+    chunk), by hand on a 2x2 grid; a query's values do not depend on the other queries of the call."""
+    from tangram.sim.tables import PrefillInterp
+
+    H = 4
+    rows = pd.DataFrame({"chunk": [64, 64, 256, 256], "cached_tokens": [0, 4096, 0, 4096],
+                         "attention_ms": [0.1, 0.3, 0.5, 1.5], "score_ms": [0.01, 0.01, 0.04, 0.04]})
+    f = PrefillInterp(rows, H)
+    chunk = np.array([64.0, 512.0, 256.0, 32.0])
+    cached = np.array([4096.0, 4096.0, 0.0, 0.0])  # inside (a vertex), outside, inside (a vertex), outside
+    got = f(chunk, cached)
+    # outside: nearest measured points (log chunk, log1p cached) are (256, 4096) and (64, 0)
+    work = lambda c, x: c * (x + H * c / 2)  # noqa: E731
+    want_att = [0.3e-3, 1.5e-3 * work(512, 4096) / work(256, 4096), 0.5e-3, 0.1e-3 * work(32, 0) / work(64, 0)]
+    want_score = [0.01e-3, 0.04e-3 * 512 / 256, 0.04e-3, 0.01e-3 * max(32 / 64, 1.0)]
+    np.testing.assert_allclose(got["attention_ms"], want_att, rtol=1e-9)
+    np.testing.assert_allclose(got["score_ms"], want_score, rtol=1e-9)
+    for i in range(chunk.size):  # each alone, and the batch reversed
+        one = f(chunk[i:i + 1], cached[i:i + 1])
+        assert one["attention_ms"][0] == got["attention_ms"][i] and one["score_ms"][0] == got["score_ms"][i]
+    rev = f(chunk[::-1].copy(), cached[::-1].copy())
+    assert np.array_equal(rev["attention_ms"][::-1], got["attention_ms"])

@@ -362,15 +362,21 @@ class PrefillInterp:
         lin = self._lin(q) if self._lin is not None else None
         if lin is not None and np.isfinite(lin).all():
             return {k: np.exp(lin[:, i]) for i, k in enumerate(self.cols)}
-        idx = self._near(q).astype(int)
-        scale = chunk * (cached + self.H * chunk / 2) / self.work[idx]
+        # the nearest measured point, for the queries outside the hull only (a query is inside for every column
+        # or for none)
+        out_ = np.flatnonzero(~np.isfinite(lin).all(axis=1)) if lin is not None else slice(None)
+        ch = chunk[out_]
+        idx = self._near(q[out_]).astype(int)
+        scale = ch * (cached[out_] + self.H * ch / 2) / self.work[idx]
         out = {}
         for i, k in enumerate(self.cols):
             # compression kernels scale with the chunk only; attention with the attention work
-            s = scale if k == "attention_ms" else chunk / np.exp(self.pts[idx, 0])
+            s = scale if k == "attention_ms" else ch / np.exp(self.pts[idx, 0])
             v = self.vals[k][idx] * np.maximum(s, 1.0) if k != "attention_ms" else self.vals[k][idx] * s
             if lin is not None:
                 li = lin[:, i]
-                v = np.where(np.isfinite(li), np.exp(np.where(np.isfinite(li), li, 0.0)), v)
+                w = np.exp(np.where(np.isfinite(li), li, 0.0))
+                w[out_] = v
+                v = w
             out[k] = v
         return out
