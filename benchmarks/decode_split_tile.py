@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     configs = [dec.DecodeConfig(*map(int, c.split("x"))) for c in a.configs.split(",")]
     bw = copy_bandwidth(torch, dev)
     fam = props.name.lower().replace("nvidia", "").strip().split()[0]
-    costs = DecodeCosts.load(tables_dir(fam))
+    costs = DecodeCosts.load(tables_dir(fam), m.name)
     log(f"{props.name}: copy bandwidth {bw / 1e9:.0f} GB/s; decode costs {costs.source}")
     arena = Arena(int(min(48 * 2**30, torch.cuda.mem_get_info()[0] * 0.7)), dev)
     # N_CTA of the shipped calibration (the engine measures the same from the compiled kernel)

@@ -188,7 +188,8 @@ class CostModel:
         self._split_maps: dict[tuple[int, int], np.ndarray] = {}
         self._reps: dict[tuple[int, int, int], np.ndarray] = {}  # _aot_reps, the last few
         # the AOT regime choice's launch costs: the same file the engine's split table reads (one choice)
-        self.decode_costs = DecodeCosts.load(self.tables.directory) if self.tables.directory is not None else None
+        self.decode_costs = DecodeCosts.load(self.tables.directory, model.name) if self.tables.directory is not None \
+            else None
         if self.partition == "aot":
             self.sources["decode_split_choice"] = self.decode_costs.source if self.decode_costs is not None else \
                 "default: Algorithm 1 capped per context bucket (no tables folder)"

@@ -23,11 +23,17 @@ from tangram.config import get_model
 from tangram.errors import ConfigError
 from tangram.cli import Parser, cli_main, parse
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
-                             flashdecoding_num_splits)
+                             flashdecoding_num_splits, runtime_plan)
 
 from .tables import TABLES_ROOT, CostTables
 
-KERNELS = ("static_split", "tangram_aot")
+KERNELS = ("static_split", "static_split_ragged", "runtime_plan", "tangram_aot")
+# kernels whose CTAs a row's columns determine whatever decode costs were in force when it ran (an AOT row's map
+# depends on the costs it was routed with: only the folder's own rows, from before routing, are re-priced)
+FIXED_MAP_KERNELS = ("static_split", "static_split_ragged", "runtime_plan")
+ROUTED_KERNELS = ("static_split", "static_split_ragged", "tangram_aot")  # the kinds of map the routing picks from
+MODELS = ("llama-3.1-8b", "smollm2-135m")
+NAMES = ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")
 
 
 def _profile(model, rho: float, seed):
@@ -36,10 +42,18 @@ def _profile(model, rho: float, seed):
     return synthetic_profile(model.num_layers, model.num_kv_heads, rho, seed=int(float(seed))).B
 
 
+def _is_set(x) -> bool:
+    return str(x) not in ("", "nan", "None")
+
+
 def row_cases(df, n_occ: int, num_sms: int, max_rows: int = 400, seed: int = 0) -> list[dict]:
-    """Each usable row as (lens [calls, H], S [calls, G], H_p, batch, gq, d, measured seconds per layer-call)."""
+    """Each usable row as (lens [calls, H], S [calls, G], H_p, batch, gq, d, measured seconds per layer-call):
+    the lengths and split maps it ran with (the synthetic profile of its rho and seed; FlashDecoding's split
+    count for the static kernels, FlashInfer-style balanced chunks for ``runtime_plan`` — every request of a
+    bench point holds the same lengths, so one request's chunk counts per head are the map — and Algorithm 1
+    for ``tangram_aot``)."""
     rows = df[df["kernel"].isin(KERNELS)]
-    rows = rows[rows["model"].astype(str).isin(["llama-3.1-8b", "smollm2-135m"])]
+    rows = rows[rows["model"].astype(str).isin(MODELS)]
     if len(rows) > max_rows:  # stratified: every (kernel, batch) keeps its share
         rng = np.random.default_rng(seed)
         keep = []
@@ -52,24 +66,30 @@ def row_cases(df, n_occ: int, num_sms: int, max_rows: int = 400, seed: int = 0) 
         m = get_model(str(r["model"]))
         H, d, gq = m.num_kv_heads, m.head_dim, m.num_q_heads // m.num_kv_heads
         batch, ctx, rho = int(r["batch"]), int(r["context"]), float(r["rho"])
-        seed_r = r["profile_seed"] if str(r.get("profile_seed", "")) not in ("", "nan") else 0
+        seed_r = r["profile_seed"] if _is_set(r.get("profile_seed", "")) else 0
         B = _profile(m, rho, seed_r)
         calls = [c % m.num_layers for c in range(int(r["n_calls"]))]
+        block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
         if r["kernel"] == "static_split":
             Hp = H
             perm = np.tile(np.arange(H), (m.num_layers, 1))
-            lens = np.minimum(ctx, np.ceil(B * ctx - 1e-9))[calls]
-            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
-            ns = flashdecoding_num_splits(batch * H, num_sms, max(1, -(-int(lens.max()) // block_n)))
-            S = np.full((len(calls), 1), ns)
         else:
             Hp = int(r["heads_per_group"])
             perm = head_groups(B, Hp)
-            lens = np.minimum(ctx, np.ceil(np.take_along_axis(B, perm, axis=1) * ctx - 1e-9))[calls]
-            waves = float(r["waves"]) if str(r.get("waves", "")) not in ("", "nan") else 1.0
+        lens = np.minimum(ctx, np.ceil(np.take_along_axis(B, perm, axis=1) * ctx - 1e-9))[calls]
+        if r["kernel"] in ("static_split", "static_split_ragged"):
+            ns = flashdecoding_num_splits(batch * H, num_sms, max(1, -(-int(lens.max()) // block_n)))
+            S = np.full((len(calls), H // Hp), ns)
+        elif r["kernel"] == "runtime_plan":
+            n_cta = int(r["n_cta"]) if _is_set(r.get("n_cta", "")) else n_occ
+            # the bench plans the whole batch ([requests, calls, H]); its requests are identical
+            rp = runtime_plan(np.broadcast_to(lens[None], (batch,) + lens.shape).astype(np.int64), n_cta)
+            S, Hp = np.stack([s[0] for s in rp.splits]), 1
+        else:
+            waves = float(r["waves"]) if _is_set(r.get("waves", "")) else 1.0
             S = aot_bucket_split_map(B, perm, Hp, n_occ, batch, waves=waves, context=decode_context_bucket(ctx))[calls]
-        out.append({"kernel": r["kernel"], "lens": lens, "S": S, "hp": Hp, "batch": batch, "gq": gq, "d": d,
-                    "meas": float(r["median_ms"]) * 1e-3})
+        out.append({"kernel": r["kernel"], "model": m.name, "lens": lens, "S": S, "hp": Hp, "batch": batch, "gq": gq,
+                    "d": d, "meas": float(r["median_ms"]) * 1e-3})
     return out
 
 
@@ -78,12 +98,52 @@ def predict(cases: list[dict], costs: DecodeCosts, n_occ: int) -> np.ndarray:
                                         head_dim=c["d"]).mean() for c in cases])
 
 
-def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = ()) -> tuple[DecodeCosts, dict]:
-    """Fit on the folder's decode table plus ``extra`` decode tables of the same GPU (their ``static_split``
-    rows only: an AOT row's map depends on the costs it was chosen with, which only the folder's rows
-    reproduce, being from before the regime choice)."""
-    import pandas as pd
+def _fit_cases(cases: list[dict], n_occ: int, copy: float, start: DecodeCosts, rate_model: str,
+               label: str) -> tuple[DecodeCosts, dict]:
+    """Least squares of the log error over ``cases``; the margin is the worst kernel's p90 relative error."""
     from scipy.optimize import least_squares
+
+    meas = np.array([c["meas"] for c in cases])
+    x0 = np.log([getattr(start, k) for k in NAMES])
+
+    def make(x) -> DecodeCosts:
+        return DecodeCosts(**dict(zip(NAMES, np.exp(x))), rate_model=rate_model)
+
+    def resid(x):
+        return np.log(predict(cases, make(x), n_occ) / meas)
+
+    # physical bounds: a launch streams at most the copy bandwidth; a lone CTA (head_dim 128) keeps a few tiles in
+    # flight per round trip (5-200 GB/s); without them a table with no few-CTA rows lets cta_bw run to infinity
+    lo = np.log([0.7 * copy, 5e9, 2e-7, 1e-6, 5e-7])
+    hi = np.log([1.0 * copy, 2e11, 1e-5, 2e-5, 2e-5])
+    best = None
+    for cta in np.geomspace(1e10, 1e11, 5):  # the surface has local minima along cta_bw: start from a grid
+        x = np.clip(x0, lo + 1e-9, hi - 1e-9)
+        x[1] = np.log(cta)
+        res = least_squares(resid, x, bounds=(lo, hi), method="trf", max_nfev=100)
+        if best is None or res.cost < best.cost:
+            best = res
+    costs = make(best.x)
+    err = np.abs(predict(cases, costs, n_occ) / meas - 1)
+    kinds = np.array([c["kernel"] for c in cases])
+    stats = {k: {"rows": int((kinds == k).sum()), "median_abs_rel_err": float(np.median(err[kinds == k])),
+                 "p90_abs_rel_err": float(np.quantile(err[kinds == k], 0.9))} for k in KERNELS if (kinds == k).any()}
+    # the regime choice keeps FlashDecoding's split unless another map is predicted faster by more than this error:
+    # the worst p90 of the kinds of map it chooses between (runtime plans, up to ~170 chunks a head at batch 1,
+    # inform the rates but are never a candidate)
+    chosen = [v["p90_abs_rel_err"] for k, v in stats.items() if k in ROUTED_KERNELS] or \
+        [v["p90_abs_rel_err"] for v in stats.values()]
+    costs = dataclasses.replace(costs, margin=float(max(chosen)),
+                                source=f"fitted on {len(cases)} rows ({label})")
+    return costs, stats
+
+
+def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = (), rate_model: str = "saturating",
+        ) -> tuple[DecodeCosts, dict]:
+    """Fit on the folder's decode table plus ``extra`` decode tables of the same GPU (their fixed-map rows only:
+    :data:`FIXED_MAP_KERNELS`): one fit on every row, and one per model with enough rows (``by_model``; the
+    routing of a model reads its own, :meth:`DecodeCosts.load`)."""
+    import pandas as pd
 
     t = CostTables.load(tables_dir)
     if t.decode is None:
@@ -93,42 +153,26 @@ def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = ()) -> tuple[
     df = t.decode
     for p in extra:
         e = pd.read_csv(p)
-        df = pd.concat([df, e[e["kernel"] == "static_split"]], ignore_index=True)
+        df = pd.concat([df, e[e["kernel"].isin(FIXED_MAP_KERNELS)]], ignore_index=True)
+    start = DecodeCosts.default(t.copy_bandwidth())
+    copy = t.copy_bandwidth() or start.bw / 0.94
     cases = row_cases(df, n_occ, num_sms, max_rows)
     if len(cases) < 10:
-        raise ConfigError(f"{tables_dir}/decode_attention.csv: only {len(cases)} static_split/tangram_aot rows")
-    meas = np.array([c["meas"] for c in cases])
-    start = DecodeCosts.default(t.copy_bandwidth())
-    names = ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")
-    x0 = np.log([getattr(start, k) for k in names])
-
-    def resid(x):
-        c = DecodeCosts(**dict(zip(names, np.exp(x))))
-        return np.log(predict(cases, c, n_occ) / meas)
-
-    # physical bounds: a launch streams at most the copy bandwidth; a lone CTA (head_dim 128) keeps a few tiles in
-    # flight per round trip (10-100 GB/s); without them a table with no few-CTA rows lets cta_bw run to infinity
-    copy = t.copy_bandwidth() or start.bw / 0.94
-    lo = np.log([0.7 * copy, 1e10, 2e-7, 1e-6, 5e-7])
-    hi = np.log([1.0 * copy, 1e11, 1e-5, 2e-5, 2e-5])
-    best = None
-    for cta in np.geomspace(1e10, 1e11, 6):  # the surface has local minima along cta_bw: start from a grid
-        x = np.clip(x0, lo + 1e-9, hi - 1e-9)
-        x[1] = np.log(cta)
-        res = least_squares(resid, x, bounds=(lo, hi), method="trf", max_nfev=100)
-        if best is None or res.cost < best.cost:
-            best = res
-    res = best
-    costs = DecodeCosts(**dict(zip(names, np.exp(res.x))),
-                        source=f"fitted on {len(cases)} rows of {tables_dir.name}/decode_attention.csv")
-    err = np.abs(predict(cases, costs, n_occ) / meas - 1)
-    kinds = np.array([c["kernel"] for c in cases])
-    stats = {k: {"rows": int((kinds == k).sum()), "median_abs_rel_err": float(np.median(err[kinds == k])),
-                 "p90_abs_rel_err": float(np.quantile(err[kinds == k], 0.9))} for k in KERNELS if (kinds == k).any()}
-    # the regime choice keeps FlashDecoding's split unless another map is predicted faster by more than this error
-    costs = dataclasses.replace(costs, margin=float(max(v["p90_abs_rel_err"] for v in stats.values())))
-    return costs, {"n_occ": n_occ, "fit": stats, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                   "command": f"python -m tangram.sim.fit_decode {tables_dir}"
+        raise ConfigError(f"{tables_dir}/decode_attention.csv: only {len(cases)} usable decode rows "
+                          f"(kernels {', '.join(KERNELS)})")
+    costs, stats = _fit_cases(cases, n_occ, copy, start, rate_model, f"{tables_dir.name}/decode_attention.csv")
+    by_model = {}
+    for name in MODELS:
+        sub = df[df["model"].astype(str) == name]
+        mc = row_cases(sub, n_occ, num_sms, max_rows) if len(sub) else []
+        if len(mc) < 10:
+            continue
+        c, st = _fit_cases(mc, n_occ, copy, costs, rate_model, f"{tables_dir.name}/decode_attention.csv, {name}")
+        by_model[name] = {**{k: getattr(c, k) for k in NAMES}, "margin": c.margin, "rate_model": rate_model,
+                          "source": c.source, "fit": st}
+    return costs, {"n_occ": n_occ, "fit": stats, "by_model": by_model,
+                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                   "command": f"python -m tangram.sim.fit_decode {tables_dir} --rate-model {rate_model}"
                    + "".join(f" --extra {p}" for p in extra)}
 
 
@@ -137,7 +181,9 @@ def _parser():
     p.add_argument("tables", nargs="?", default=str(TABLES_ROOT / "h100"), help="tables folder (default %(default)s)")
     p.add_argument("--max-rows", type=int, default=400, help="rows sampled for the fit (default %(default)s)")
     p.add_argument("--extra", nargs="*", default=[], help="more decode_attention.csv files of the same GPU "
-                   "(their static_split rows join the fit)")
+                   "(their static, static-ragged and runtime-plan rows join the fit)")
+    p.add_argument("--rate-model", choices=DecodeCosts.RATE_MODELS, default="saturating",
+                   help="how running CTAs share the bandwidth (tangram.planner.DecodeCosts; default %(default)s)")
     return p
 
 
@@ -145,10 +191,9 @@ def _parser():
 def main(argv=None) -> int:
     a = parse(_parser(), argv)
     d = Path(a.tables)
-    costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra])
+    costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra], a.rate_model)
     costs.to_json(d / DecodeCosts.FILENAME, info)
-    print(json.dumps({**{k: getattr(costs, k) for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s", "margin")}, **info},
-                     indent=1))
+    print(json.dumps({**{k: getattr(costs, k) for k in NAMES + ("margin", "rate_model")}, **info}, indent=1))
     print(f"wrote {d / DecodeCosts.FILENAME}")
     return 0
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -86,10 +87,17 @@ class DecodeCosts:
     ``tangram-fit-engine --decode-costs``; :meth:`default` otherwise).
 
     A launch of CTAs, each streaming its piece of one head, runs in waves of ``n_occ`` resident CTAs: the waves
-    before the last stream at ``bw``; the last is a straggler tail where each CTA streams at most ``cta_bw``
-    (processor sharing of ``bw`` among the CTAs still running); every wave pays ``cta_s`` of fixed CTA latency
-    (block-table and first-tile round trips, the partial's write). A launch costs ``launch_s``; splitting any
-    head adds the merge kernel (``merge_s`` plus its partials' bytes)."""
+    before the last stream at ``bw``; the last is a straggler tail where the CTAs still running share the
+    bandwidth (processor sharing); every wave pays ``cta_s`` of fixed CTA latency (block-table and first-tile
+    round trips, the partial's write). A launch costs ``launch_s``; splitting any head adds the merge kernel
+    (``merge_s`` plus its partials' bytes).
+
+    How ``a`` running CTAs share it (``rate_model``): ``"capped"``, each streams ``min(bw / a, cta_bw)``; or
+    ``"saturating"``, together they stream ``bw * (1 - exp(-a * cta_bw / bw))`` (``cta_bw`` is then the slope
+    at few CTAs). Measured on the H100 (2026-11-24 kernel sweep): 128 CTAs, one per SM, stream ~2.0-2.6 TB/s,
+    not the ~2.9 TB/s that "capped" with a lone-CTA rate fitted on few-CTA rows gives, so "capped" priced the
+    unsplit launches at batch 16 ~15% too fast and the routing kept them where a split ran 1.24-1.36x faster;
+    "saturating" fits the Llama-3.1-8B rows to a median 2.4-3% (p90 8-12%) against 3.5-6% (9-15%)."""
 
     bw: float = 2.85e12
     cta_bw: float = 3.3e10  # one K and one V tile of 64 x 128 bf16 in flight per ~1 us round trip
@@ -100,9 +108,19 @@ class DecodeCosts:
     # predicted gain a map needs over FlashDecoding's split to replace it: the fit's p90 relative error (a gain
     # inside the model's error is a coin toss; measured on the H100: 0.90-0.95x static at batch 1 / 8K when 5%)
     margin: float = 0.05
+    rate_model: str = "capped"
 
     FILENAME = "decode_costs.json"
-    OPTIONAL = ("source", "margin")
+    OPTIONAL = ("source", "margin", "rate_model")
+    RATE_MODELS = ("capped", "saturating")
+
+    def __post_init__(self):
+        if self.rate_model not in self.RATE_MODELS:
+            raise ConfigError(f"decode costs: rate_model must be one of {self.RATE_MODELS}, got {self.rate_model!r}")
+
+    def tail_seconds_per_byte(self, n: int) -> np.ndarray:
+        """Seconds per byte of the j-th smallest CTA of a last wave of ``n`` (``n - j`` CTAs still running)."""
+        return _tail_rates(int(n), float(self.bw), float(self.cta_bw), self.rate_model)
 
     @classmethod
     def default(cls, copy_bw: float | None = None) -> "DecodeCosts":
@@ -111,8 +129,11 @@ class DecodeCosts:
         return cls()
 
     @classmethod
-    def load(cls, directory: str | Path | None) -> "DecodeCosts":
-        """``decode_costs.json`` of a tables folder; else defaults (with its meta.json copy bandwidth, if any)."""
+    def load(cls, directory: str | Path | None, model: str | None = None) -> "DecodeCosts":
+        """``decode_costs.json`` of a tables folder; else defaults (with its meta.json copy bandwidth, if any).
+
+        ``model``: the costs fitted on that model's rows (the file's ``by_model`` entry) when the file has them,
+        else the costs fitted on every row: a CTA of head_dim 64 streams at other rates than one of 128."""
         if directory is None:
             return cls.default()
         d = Path(directory)
@@ -122,12 +143,33 @@ class DecodeCosts:
                 v = json.loads(p.read_text())
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
+            if not isinstance(v, dict):
+                raise ConfigError(f"{p}: expected a JSON object")
+            where = p.name
+            by_model = v.get("by_model") or {}
+            if not isinstance(by_model, dict):
+                raise ConfigError(f"{p}: by_model must be an object of model name -> costs")
+            if model is not None and model in by_model:
+                if not isinstance(by_model[model], dict):
+                    raise ConfigError(f"{p}: by_model.{model} must be an object")
+                v, where = by_model[model], f"{p.name} by_model.{model}"
             names = {f for f in cls.__dataclass_fields__ if f not in cls.OPTIONAL}
             missing = names - set(v)
             if missing:
-                raise ConfigError(f"{p}: missing field(s) {sorted(missing)}")
-            return cls(**{k: float(v[k]) for k in names}, margin=_fit_margin(v, p),
-                       source=f"{p.name}: {v.get('source', '')}".strip())
+                raise ConfigError(f"{p}: missing field(s) {sorted(missing)}" + (f" in by_model.{model}"
+                                                                                 if where != p.name else ""))
+            vals = {}
+            for k in sorted(names):
+                x = v[k]
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+                    raise ConfigError(f"{p}: {where.split(' ', 1)[-1] + '.' if where != p.name else ''}{k} must be "
+                                      f"a positive number, got {x!r}")
+                vals[k] = float(x)
+            rm = v.get("rate_model", "capped")
+            if rm not in cls.RATE_MODELS:
+                raise ConfigError(f"{p}: rate_model must be one of {list(cls.RATE_MODELS)}, got {rm!r}")
+            return cls(**vals, margin=_fit_margin(v, p), rate_model=rm,
+                       source=f"{where}: {v.get('source', '')}".strip())
         copy = None
         if (d / "meta.json").exists():
             try:
@@ -219,11 +261,15 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
 
 
 @lru_cache(maxsize=64)
-def _tail_rates(n: int, bw: float, cta_bw: float) -> np.ndarray:
+def _tail_rates(n: int, bw: float, cta_bw: float, rate_model: str = "capped") -> np.ndarray:
     """Seconds per byte of the j-th smallest CTA of a last wave of ``n``: bandwidth shared by the ``n - j`` still
-    running, each capped at one CTA's rate (read-only: shared between calls)."""
+    running, each capped at one CTA's rate (``"capped"``), or together streaming ``bw * (1 - exp(-a * cta_bw /
+    bw))`` (``"saturating"``, :class:`DecodeCosts`). Read-only: shared between calls."""
     active = n - np.arange(n)  # CTAs still running while the j-th smallest finishes
-    out = np.maximum(active / bw, 1.0 / cta_bw)
+    if rate_model == "saturating":
+        out = active / (bw * -np.expm1(-active * (cta_bw / bw)))
+    else:
+        out = np.maximum(active / bw, 1.0 / cta_bw)
     out.flags.writeable = False
     return out
 
@@ -262,8 +308,7 @@ def _tiled_wave_time(size: np.ndarray, reps: np.ndarray, batch: int, n_occ: int,
         waves[l] = w
     tail.sort(axis=1)
     diffs = np.diff(tail, axis=1, prepend=0.0)
-    active = N - np.arange(N)
-    per_byte = np.maximum(active / costs.bw, 1.0 / costs.cta_bw)
+    per_byte = costs.tail_seconds_per_byte(N)
     return body + (diffs * per_byte[None, :]).sum(axis=1) + waves * costs.cta_s
 
 

@@ -1,3 +1,4 @@
+import math
 import numpy as np
 import pytest
 
@@ -156,3 +157,55 @@ def test_decode_costs_file_round_trip_and_errors(tmp_path):
     empty = tmp_path / "none"
     empty.mkdir()
     assert DecodeCosts.load(empty).source.startswith("default")
+
+
+def test_saturating_rate_model_against_its_formula_and_the_capped_one():
+    """The tail's seconds per byte with ``a`` CTAs running: capped = max(a / bw, 1 / cta_bw); saturating = a / (bw
+    (1 - exp(-a cta_bw / bw))), computed here in float64 by hand. Saturating is never faster than the copy
+    bandwidth, tends to one CTA's rate when few run, and gives one-per-SM launches less than bw."""
+    from tangram.planner import DecodeCosts
+
+    bw, cta = 3.0e12, 5.0e10
+    cap = DecodeCosts(bw=bw, cta_bw=cta).tail_seconds_per_byte(264)
+    sat = DecodeCosts(bw=bw, cta_bw=cta, rate_model="saturating").tail_seconds_per_byte(264)
+    for j in (0, 100, 136, 200, 263):
+        a = 264 - j
+        assert cap[j] == pytest.approx(max(a / bw, 1 / cta), rel=1e-12)
+        assert sat[j] == pytest.approx(a / (bw * (1 - math.exp(-a * cta / bw))), rel=1e-12)
+    assert np.all(sat >= cap * (1 - 1e-12))  # 1 - exp(-x) <= min(1, x)
+    assert 1 / sat[-1] == pytest.approx(cta, rel=1e-2)  # one CTA left: about its own rate (cta / 2bw lower)
+    a = 128  # one CTA per SM: the launch streams well below the copy bandwidth
+    assert a / sat[264 - a] / bw == pytest.approx(1 - math.exp(-a * cta / bw))
+    assert a / sat[264 - a] < 0.9 * bw
+    with pytest.raises(Exception, match="rate_model"):
+        DecodeCosts(rate_model="linear")
+
+
+def test_decode_costs_by_model_entries_and_their_errors(tmp_path):
+    """A decode_costs.json with per-model fits: a model with an entry reads it (its own rate model and margin), any
+    other model the top-level fit; a malformed entry is an error naming the file and the field."""
+    from tangram.errors import ConfigError
+    from tangram.planner import DecodeCosts
+
+    top = DecodeCosts(bw=2e12, cta_bw=3e10, cta_s=1e-6, launch_s=2e-6, merge_s=3e-6, margin=0.2)
+    own = {"bw": 2.5e12, "cta_bw": 5e10, "cta_s": 4e-6, "launch_s": 3e-6, "merge_s": 3.5e-6, "margin": 0.1,
+           "rate_model": "saturating", "source": "fitted on llama rows"}
+    f = tmp_path / DecodeCosts.FILENAME
+    top.to_json(f, {"by_model": {"llama-3.1-8b": own}})
+    d = DecodeCosts.load(tmp_path, "llama-3.1-8b")
+    assert (d.bw, d.cta_bw, d.cta_s, d.launch_s, d.merge_s, d.margin, d.rate_model) == \
+        (2.5e12, 5e10, 4e-6, 3e-6, 3.5e-6, 0.1, "saturating")
+    assert "by_model.llama-3.1-8b" in d.source
+    for name in ("smollm2-135m", None):
+        e = DecodeCosts.load(tmp_path, name)
+        assert (e.bw, e.margin, e.rate_model) == (2e12, 0.2, "capped")
+    for bad, match in (({**own, "cta_bw": "fast"}, "cta_bw must be a positive number"),
+                       ({**own, "bw": -1.0}, "bw must be a positive number"),
+                       ({**own, "rate_model": "linear"}, "rate_model must be one of"),
+                       ({k: v for k, v in own.items() if k != "merge_s"}, r"missing field.*merge_s.*by_model")):
+        top.to_json(f, {"by_model": {"llama-3.1-8b": bad}})
+        with pytest.raises(ConfigError, match=match):
+            DecodeCosts.load(tmp_path, "llama-3.1-8b")
+    top.to_json(f, {"by_model": ["llama"]})
+    with pytest.raises(ConfigError, match="by_model must be an object"):
+        DecodeCosts.load(tmp_path, "llama-3.1-8b")

@@ -307,7 +307,7 @@ def test_cost_model_prices_the_split_map_the_engine_launches(hp, scale, rounding
     eng = EngineConfig(mode="tangram", heads_per_group=hp, n_cta_scale=scale, split_rounding=rounding, alpha=1.5)
     sched = Scheduler(LLAMA, eng, prof, pool_bytes=2**30)
     cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile)
-    assert cm.decode_costs is not None and cm.decode_costs == DecodeCosts.load(cm.tables.directory)
+    assert cm.decode_costs is not None and cm.decode_costs == DecodeCosts.load(cm.tables.directory, LLAMA.name)
     table = AotSplitTable(sched.profile.B, sched.layout.perm, hp, cm.n_occ, max_batch=eng.max_num_seqs, waves=scale,
                           rounding=rounding, costs=cm.decode_costs, gq=LLAMA.gqa_group, head_dim=LLAMA.head_dim,
                           dtype_bytes=LLAMA.dtype_bytes, num_sms=H100.num_sms)

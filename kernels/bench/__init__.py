@@ -74,12 +74,17 @@ class Bench(Checks, Headline, Sweeps):
         if d == "auto":
             fam = props.name.lower().replace("nvidia", "").strip().split()[0] if props.name else "h100"
             d = tables_dir(fam)
-        self.decode_costs = None if d in (None, "none") else DecodeCosts.load(d)
+        self.costs_dir = None if d in (None, "none") else d
+        self.decode_costs = None if self.costs_dir is None else DecodeCosts.load(self.costs_dir)
+        self._costs_by_model: dict = {}
         self.meta["decode_costs"] = None if self.decode_costs is None else asdict(self.decode_costs)
 
     def split_kwargs(self, m) -> dict:
         """The regime choice's inputs, as the engine passes them (AotSplitTable)."""
-        return dict(costs=self.decode_costs, gq=m.gqa_group, head_dim=m.head_dim, dtype_bytes=m.dtype_bytes,
+        if self.costs_dir is not None and m.name not in self._costs_by_model:  # the model's own fit, if any
+            c = self._costs_by_model[m.name] = DecodeCosts.load(self.costs_dir, m.name)
+            self.meta.setdefault("decode_costs_by_model", {})[m.name] = asdict(c)
+        return dict(costs=self._costs_by_model.get(m.name, self.decode_costs), gq=m.gqa_group, head_dim=m.head_dim, dtype_bytes=m.dtype_bytes,
                     num_sms=self.num_sms)
 
     def time_left(self):
@@ -228,7 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-costs", default="auto",
                     help="tables folder whose decode_costs.json the AOT regime choice reads (auto: the device's; "
                          "none: Algorithm 1 capped per context)")
+    ap.add_argument("--tile", default="auto", help="decode tile: auto (the fastest at uniform B16 / 8K), engine "
+                    "(tangram.kernels.decode.DEFAULT_CONFIG, what the engine launches) or BLOCKxWARPSxSTAGES")
     args = ap.parse_args(argv)
+    if args.tile not in ("auto", "engine"):
+        parts = args.tile.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ConfigError(f"--tile: expected auto, engine or BLOCKxWARPSxSTAGES (e.g. 128x8x3), got {args.tile!r}")
     for name in args.model.split(","):
         get_model(name)
     bad = set(args.sections.split(",")) - set(SECTIONS)

@@ -30,6 +30,11 @@ class Headline:
                  dec.DecodeConfig(128, 8, 3), dec.DecodeConfig(32, 4, 4), dec.DecodeConfig(64, 8, 4)]
         if self.args.quick:
             cands = cands[:3]
+        tile = getattr(self.args, "tile", "auto")
+        if tile == "engine":  # the tile the engine launches: its rows and occupancy are the engine's
+            cands = [dec.DEFAULT_CONFIG]
+        elif tile != "auto":
+            cands = [dec.DecodeConfig(*map(int, tile.split("x")))]
         best = None
         for cfg in cands:
             try:

@@ -227,7 +227,7 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
-                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name)))
+                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name), spec.model.name))
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)

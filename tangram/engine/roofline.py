@@ -220,7 +220,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
         from tangram.planner import DecodeCosts, tables_dir
 
-        kw["decode_costs"] = DecodeCosts.load(tables_dir(args.gpu))
+        kw["decode_costs"] = DecodeCosts.load(tables_dir(args.gpu), cfg.name)
     exe = Executor(args.model_obj, sched, TokenSource(cfg.vocab, seed=args.seed), ExecutorOptions(**kw))
     exe._stream = lambda rid: _Tokens(cfg.vocab, rid)  # synthetic sessions: no scheduler requests behind the rows
     pool = exe.cache.pool

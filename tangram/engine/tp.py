@@ -562,7 +562,7 @@ def run_mode_tp(trace, spec, mode: str, model, *, device, seed: int = 0, samplin
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs="off",
                            graph_max_context=max_session_tokens(trace),
-                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name)))
+                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name), spec.model.name))
     if warmup:
         serve_tp(_mini_trace(spec.engine), spec, mode, sd, dtype=dtype, device=device, options=opts, seed=seed + 7,
                  record_kv=False)

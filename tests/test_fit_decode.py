@@ -1,0 +1,49 @@
+"""The decode-cost fit (tangram.sim.fit_decode) recovers known costs from a table its own model priced, for every
+kind of row it reads, and writes per-model fits that DecodeCosts.load serves to that model."""
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from tangram.planner import DecodeCosts
+
+
+def _table(tmp_path, truth: DecodeCosts, seed: int):
+    from tangram.sim.fit_decode import predict, row_cases
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for kernel in ("static_split", "static_split_ragged", "runtime_plan", "tangram_aot"):
+        for _ in range(8):
+            rows.append(dict(kernel=kernel, model="llama-3.1-8b", batch=int(rng.choice([1, 4, 16, 64])),
+                             context=int(rng.choice([1024, 8192, 32768])), rho=float(rng.choice([0.25, 0.5, 1.0])),
+                             profile_seed=int(rng.integers(0, 5)), n_calls=2,
+                             heads_per_group=int(rng.choice([1, 4])), waves=1.0, n_cta=264, bytes=1, median_ms=1.0))
+    df = pd.DataFrame(rows)
+    cases = row_cases(df, 264, 132, max_rows=10_000)
+    df["median_ms"] = predict(cases, truth, 264) * 1e3 * np.exp(rng.normal(0, 0.01, len(df)))  # 1% noise
+    df.to_csv(tmp_path / "decode_attention.csv", index=False)
+    (tmp_path / "meta.json").write_text(json.dumps({"sm_count": 132, "copy_gbps": 3000.0,
+                                                    "decode_kernel": {"n_cta": 264}}))
+
+
+@pytest.mark.parametrize("seed", [int(np.random.SeedSequence().entropy % 1000)])
+def test_fit_recovers_the_costs_it_was_made_from(tmp_path, seed):
+    from tangram.sim.fit_decode import fit
+
+    truth = DecodeCosts(bw=2.85e12, cta_bw=4.0e10, cta_s=3e-6, launch_s=4e-6, merge_s=3e-6, rate_model="saturating")
+    _table(tmp_path, truth, seed)
+    costs, info = fit(tmp_path, max_rows=10_000)
+    assert costs.rate_model == "saturating"
+    for kind, st in info["fit"].items():  # every kind of row re-priced within the noise (seed in the test id)
+        assert st["median_abs_rel_err"] < 0.03, (kind, st)
+    assert costs.bw == pytest.approx(truth.bw, rel=0.05)
+    assert costs.launch_s + costs.cta_s == pytest.approx(truth.launch_s + truth.cta_s, rel=0.25)
+    # one model in the table: its own entry, served to it by DecodeCosts.load
+    assert list(info["by_model"]) == ["llama-3.1-8b"]
+    costs.to_json(tmp_path / DecodeCosts.FILENAME, info)
+    own = DecodeCosts.load(tmp_path, "llama-3.1-8b")
+    assert own.source.startswith("decode_costs.json by_model.llama-3.1-8b")
+    assert own.margin == pytest.approx(max(info["by_model"]["llama-3.1-8b"]["fit"][k]["p90_abs_rel_err"]
+                                           for k in ("static_split", "static_split_ragged", "tangram_aot")))
