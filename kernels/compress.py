@@ -262,9 +262,10 @@ def _snapkv_compress_kernel(
     stride_cnt,
     HP: tl.constexpr, GQ: tl.constexpr, GQ_P2: tl.constexpr, W_BLOCK: tl.constexpr, D: tl.constexpr,
     P: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, POOL: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PHASES: tl.constexpr = 3,
 ):
     """SnapKV scoring + kvpress's finish + per-head top-count + the copy of the kept K/V, in one launch.
+    (``PHASES`` < 3 stops after the scores (1) or the selection (2): benchmarks/compress_phases.py times each.)
 
     Program (slot, token block, chunk): scores its block's keys against the window's queries of the head's GQ
     query heads (raw probability sums / (w * GQ), as snapkv_finish_batched) into the scratch row ``SC``, then
@@ -322,6 +323,8 @@ def _snapkv_compress_kernel(
     if arrived != ntb - 1:
         return
     tl.atomic_xchg(cptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    if PHASES < 2:
+        return
     offs = tl.arange(0, C_BLOCK)
     valid = offs < c
     ukey = _finished_key(srow, offs, c, tl.minimum(window, c), POOL).to(tl.int64) + 2147483648  # order-preserving, in [0, 2^32)
@@ -354,6 +357,8 @@ def _snapkv_compress_kernel(
     tl.store(drow + offs, tl.where(ok, page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt,
                                    -1), mask=valid)
     tl.debug_barrier()  # the destinations are visible to every thread of the program
+    if PHASES < 3:
+        return
     offs_c = tl.arange(0, BLOCK_C)
     for t0 in range(0, c, BLOCK_C):  # names of its own: a name bound before a loop is loop-carried (one shape)
         offs_u = t0 + offs_c
@@ -367,6 +372,40 @@ def _snapkv_compress_kernel(
         okt = dst_u >= 0
         tl.store(KV + dst_u[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
         tl.store(KV + stride_kvkv + dst_u[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
+
+
+@triton.jit(do_not_specialize_on_alignment=["CU", "SLOT2HEAD"])
+def _copy_selected_kernel(
+    KN, VN, CU, COUNTS, SLOT2HEAD, KV, DST,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ci, stride_kvkv, stride_si, stride_sh,
+    D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """The copy of :func:`snapkv_compress`'s kept tokens, one program per (slot, token block, chunk): each token's
+    destination (or -1) was written to ``DST`` by the selecting program of its head, so the copy runs on every
+    block at once instead of one program per head (measured on the H100: that serial copy was 15.7 of the 27.4 us
+    of a 512-token Llama-3.1-8B chunk, benchmarks/compress_phases.py)."""
+    slot = tl.program_id(0)
+    tb = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    start = tb * BLOCK_T
+    if start >= c:
+        return
+    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
+    if (cnt <= 0) | (cnt >= c):  # nothing kept, or everything (copied by the selecting launch): no destinations
+        return
+    offs_t = start + tl.arange(0, BLOCK_T)
+    vt = offs_t < c
+    dst = tl.load(DST + i.to(tl.int64) * stride_si + slot * stride_sh + offs_t, mask=vt, other=-1)
+    ok = dst >= 0
+    h = tl.load(SLOT2HEAD + slot)
+    offs_d = tl.arange(0, D)
+    rows = (row0 + offs_t).to(tl.int64)
+    k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
+    tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
+    tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
 
 
 # ----------------------------------------------------------------------------- host side
@@ -576,11 +615,18 @@ def _counters(device, n: int) -> torch.Tensor:
 def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_pool, block_table, head_lens,
                     slot_to_head, *, page_size: int, heads_per_group: int, window: int, pool_kernel: int,
                     sm_scale: float | None = None, width: int | None = None, kept: torch.Tensor | None = None,
-                    block_t: int = 64, block_c: int | None = None) -> torch.Tensor:
+                    block_t: int = 64, block_c: int | None = None, num_warps: int = 8,
+                    copy: str = "parallel", copy_block: int = 32, _phases: int = 3) -> torch.Tensor:
     """The engine's SnapKV compression of every chunk of a step in one launch: :func:`snapkv_scores_varlen`, then
     kvpress's finish (:func:`tangram.kernels.scoring.snapkv_finish_batched`: mean over the window's ``w * GQ``
     query rows, average pooling over the tokens before the window, the window kept), then :func:`select_scatter`
-    of each head's top-``counts[i, slot]`` (ties to the earliest tokens). Returns the kept counts ``[kp, H]``."""
+    of each head's top-``counts[i, slot]`` (ties to the earliest tokens). Returns the kept counts ``[kp, H]``.
+
+    ``copy="parallel"``: the selecting program of each head writes every token's destination and a second launch
+    copies the kept K/V on every token block at once; ``"serial"``: the selecting program copies them itself (one
+    launch, a serial tail that grows with the chunk)."""
+    if copy not in ("parallel", "serial"):
+        raise ValueError(f"snapkv_compress: copy must be 'parallel' or 'serial', got {copy!r}")
     N, Hq, d = q.shape
     kp, H = head_lens.shape
     gq = Hq // H
@@ -614,8 +660,16 @@ def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_p
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kept.stride(0),
         sc.stride(0), sc.stride(1), H,
         HP=heads_per_group, GQ=gq, GQ_P2=gq_p2, W_BLOCK=w_block, D=d, P=page_size, C_BLOCK=CS, BLOCK_T=block_t,
-        BLOCK_C=block_c or max(16, 16384 // d), POOL=pool_kernel, IEEE=q.dtype == torch.float32, num_warps=8,
+        BLOCK_C=block_c or max(16, 16384 // d), POOL=pool_kernel, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps, PHASES=min(_phases, 2) if copy == "parallel" else _phases,
     )
+    if copy == "parallel" and _phases >= 3:
+        _copy_selected_kernel[(H, triton.cdiv(int(max_chunk), copy_block), kp)](
+            k, v, cu, counts, slot_to_head, kv_pool, dst,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), counts.stride(0), kv_pool.stride(1), dst.stride(0),
+            dst.stride(1),
+            D=d, BLOCK_T=copy_block, num_warps=4,
+        )
     return kept
 
 

@@ -37,8 +37,8 @@ def _finished_ref(probs, lens, s2h, window, gq, kernel):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("block_t", [16, 64])
-def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_t):
+@pytest.mark.parametrize("block_t,copy", [(16, "serial"), (64, "serial"), (16, "parallel"), (64, "parallel")])
+def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_t, copy):
     cu, pool, tables, s2h, lens, q, k, v = _case(seed)
     kp, H = lens.shape
     gq, window, kernel = q.shape[1] // H, 8, 5
@@ -51,7 +51,8 @@ def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_
     fused = pool.clone()
     kept = torch.full((kp, H), -7, dtype=torch.int32)
     snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P, heads_per_group=2,
-                    window=window, pool_kernel=kernel, kept=kept, block_t=block_t, block_c=block_t)
+                    window=window, pool_kernel=kernel, kept=kept, block_t=block_t, block_c=block_t, copy=copy,
+                    copy_block=block_t // 2)
     assert torch.equal(kept, torch.minimum(counts, torch.tensor(cs, dtype=torch.int32)[:, None]))
     # the engine's unfused launches give the same pages bit for bit
     raw = snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
@@ -76,7 +77,8 @@ def test_fused_compression_matches_float64_and_the_unfused_launches(seed, block_
         assert torch.equal(fused[pages], rp[pages])
 
 
-def test_fused_compression_ties_and_counters_reset():
+@pytest.mark.parametrize("copy", ["serial", "parallel"])
+def test_fused_compression_ties_and_counters_reset(copy):
     """Equal keys (q = 0: uniform probabilities) go to the earliest tokens across token blocks, and the arrival
     counters are back at zero after the launch, so a second launch selects the same."""
     from tangram.kernels import compress as cmp
@@ -91,7 +93,7 @@ def test_fused_compression_ties_and_counters_reset():
     for _ in range(2):
         p2 = pool.clone()
         snapkv_compress(q, k, v, lse, cu, 50, counts, p2, tables, lens, s2h, page_size=P, heads_per_group=2,
-                        window=8, pool_kernel=1, block_t=16, block_c=32)
+                        window=8, pool_kernel=1, block_t=16, block_c=32, copy=copy)
         outs.append(p2)
         assert int(cmp._counters(q.device, H).abs().sum()) == 0
     assert torch.equal(outs[0], outs[1])

@@ -165,11 +165,13 @@ class TokenSource:
 
 
 
-# Chunks up to this many tokens compress in one launch (snapkv_compress); longer ones by the unfused launches. H100,
-# 2026-11-24 (reports/engine/roofline, kbench prefill): Llama-3.1-8B fused vs unfused 27 vs 45 us at 512-token
-# chunks, 45 vs 47 us at 1024, 87 vs 50 us at 2048 and 167 vs 68 us at 4096 (one program per head selects and copies
-# its kept tokens: a serial tail that grows with the chunk).
-FUSED_COMPRESS_MAX_CHUNK = 1024
+# Chunks up to this many tokens compress with snapkv_compress (score + kvpress finish + top-k in one launch, the
+# kept K/V copied by a second launch on every token block); longer ones by the unfused launches (not measured past
+# 4096). H100, 2026-11-24 (benchmarks/compress_phases.py, reports/engine/compression/): Llama-3.1-8B 14.9 vs 44.5 us
+# unfused at 512-token chunks, 16.5 vs 46.4 at 1024, 23.6 vs 49.8 at 2048, 50.0 vs 69.0 at 4096 (SmolLM2-135M 12.9
+# vs 38.9 ... 31.2 vs 50.6); with the copy left to the selecting program (one launch) it was 27.3, 44.8, 88.0 and
+# 167.8 us, which is why the limit was 1024 before.
+FUSED_COMPRESS_MAX_CHUNK = 4096
 
 @dataclass
 class ExecutorOptions:
@@ -715,8 +717,8 @@ class Executor:
     def _fused_snapkv(self, st: dict) -> bool:
         """SnapKV/PyramidKV with every chunk longer than the window and per-head counts, in an engine whose chunks
         are at most FUSED_COMPRESS_MAX_CHUNK tokens: the case :func:`tangram.kernels.compress.snapkv_compress`
-        does in one launch (the scores never leave it). Decided per engine, not per step, so one engine compiles
-        one path in its warm-up."""
+        does in two launches (score + select, then the copy; the scores never leave the first). Decided per engine,
+        not per step, so one engine compiles one path in its warm-up."""
         return method_spec(self.engine.score_method).scorer == "snapkv" and \
             self.engine.chunk_size <= FUSED_COMPRESS_MAX_CHUNK and int(st["pf_tokens"].min()) > self.score_params.window
 

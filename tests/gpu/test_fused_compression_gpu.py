@@ -30,7 +30,8 @@ def _case(rng, H, gq, Hp, d, P, cs, cached, dtype):
 
 @pytest.mark.parametrize("shape", [(8, 4, 1, 128), (8, 4, 4, 128), (3, 3, 1, 64), (3, 3, 3, 64)])  # Llama, SmolLM2
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype):
+@pytest.mark.parametrize("copy", ["parallel", "serial"])
+def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype, copy):
     from tangram.kernels import compress as cmp
     from tangram.kernels.scoring import snapkv_finish_batched
 
@@ -50,7 +51,7 @@ def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype):
         fused, unfused = pool.clone(), pool.clone()
         kept = torch.full((len(cs), H), -7, dtype=torch.int32, device="cuda")
         cmp.snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P,
-                            heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept)
+                            heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept, copy=copy)
         raw = cmp.snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
         fin = snapkv_finish_batched(raw, cu[1:] - cu[:-1], window, gq, kernel)
         cmp.select_scatter(fin, k, v, cu, max(cs), counts, unfused, tables, lens, s2h, page_size=P,
