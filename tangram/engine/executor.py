@@ -40,6 +40,10 @@ scheduler's pool.
 ``duration_s`` is the measured wall time of the step (``torch.cuda.synchronize``
 at the end) plus the scheduler's host time for it when the scheduler is a
 :class:`TimedScheduler`.
+
+Asynchronous decode steps (``ExecutorOptions.async_steps``; ``launch`` / ``complete``, docs/engine.md): a graphed
+pure-decode step is launched before the previous step's tokens reach the host; its rows read them on the device and
+the host records them one step late. Its duration is the time between the two steps' end events.
 """
 from __future__ import annotations
 

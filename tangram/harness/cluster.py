@@ -22,6 +22,9 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   prompt, or before the pool runs short; anything done to the replica from outside while it runs (a turn routed to
   it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
   step-by-step path. ``fast_forward=False`` is that reference path.
+* Running ahead: an executor with ``runs_ahead`` (the engine with ``ExecutorOptions.async_steps``) is driven by
+  ``launch`` / ``complete``: while a step runs, the scheduler advances past it and the next step is planned and
+  launched; the clock advances by each step's measured duration when it completes (``_steps_ahead``).
 * ``slo_monitor`` (:class:`tangram.harness.slo.SLOMonitor`): the replay stops as soon as the SLO is certain to be
   missed; the requests left are listed as rejected "stopped early: ..." (so the run does not meet the SLO).
 """
