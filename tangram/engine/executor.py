@@ -238,7 +238,7 @@ class _InFlight:
 
     plan: StepPlan
     toks: torch.Tensor  # [kd] int64 sampled tokens on the device (the next step's pending rows read them)
-    host: torch.Tensor  # [kd] their copy to (pinned) host memory, issued after the sampling; valid once `end` is
+    host: torch.Tensor  # [kd] their copy to (pinned) host memory, issued after the sampling; valid once `end` is done
     end: object  # clock mark after the step's last launch (sampling and the token copy included)
     start: object | None  # mark before its host work when nothing was in flight; None: the previous step's end
     prev_end: object | None

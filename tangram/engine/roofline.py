@@ -15,7 +15,8 @@ Per point it reports
   (:meth:`Executor.execute` end to end) by default, or with ``--async-steps`` the engine's asynchronous decode steps
   (each step launched before the previous one's tokens are read: ``launch`` / ``complete``, the harness's order);
   ``step_ms`` is the engine's own step time (``StepResult.duration_s``, CUDA events between completions when
-  asynchronous);
+  asynchronous); the profiler, events and host-timeline sections below always time synchronous steps
+  (:meth:`Executor.execute`);
 * ``gpu_ms`` / ``kernel_ms``: the device span of a step and the sum of its kernels, from ``torch.profiler`` on
   graph-replayed steps, with the kernel time split by operator (GEMMs, decode attention and its merge, the fused
   RoPE/KV write, norms, activation, lm_head/sampling, copies, other) and the idle time inside the span;
