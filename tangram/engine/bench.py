@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower; every step "
                    "eager)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
+    p.add_argument("--async-steps", action="store_true",
+                   help="asynchronous decode steps: a graphed pure-decode step is planned and launched before the "
+                        "previous one's tokens reach the host (ExecutorOptions.async_steps; one GPU only)")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe, about 20 s; or a probe JSON) and the scales it "
                         "gives the shipped cost tables, in metrics.json and probe.json")
@@ -200,7 +203,7 @@ class TritonCompiles:
 
 def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
              tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk",
-             wrap=None, cuda_graphs: str = "auto") -> tuple[dict, object, dict]:
+             wrap=None, cuda_graphs: str = "auto", async_steps: bool = False) -> tuple[dict, object, dict]:
     """Serve the trace in one mode; returns (summary, ClusterResult, leak check).
 
     ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
@@ -209,11 +212,11 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         tc.running = False
         return _run_mode(trace, spec, mode, model, tc, device=device, seed=seed, sampling=sampling,
                          time_ops=time_ops, tokenizer=tokenizer, progress=progress, warmup=warmup,
-                         dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs)
+                         dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs, async_steps=async_steps)
 
 
 def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops, tokenizer, progress, warmup,
-              dynamic_keep, wrap, cuda_graphs):
+              dynamic_keep, wrap, cuda_graphs, async_steps=False):
     import torch
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -227,6 +230,7 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
+                           async_steps=async_steps,
                            decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name), spec.model.name))
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
@@ -301,6 +305,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
     spec = from_cli(args)
+    if spec.engine.tp > 1 and getattr(args, "async_steps", False):
+        raise ConfigError("--async-steps: tensor-parallel steps are synchronous (use --tp 1)")
     if spec.engine.tp > 1 and not tp_rank0:
         from tangram.engine.tp import run_bench
 
@@ -309,6 +315,7 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
     mode_runner = run_mode
+    extra = {"async_steps": True} if args.async_steps else {}
     if tp_rank0:  # the full model on the CPU, sharded per mode onto this rank's device
         from tangram.engine.tp import run_mode_tp as mode_runner
     model, info = load_model(spec.model, spec.weights, dtype=dtype, device="cpu" if tp_rank0 else device, seed=seed)
@@ -331,7 +338,7 @@ def run(args, *, tp_rank0: bool = False) -> dict:
         bar.set_postfix_str(mode)
         summ, res, leak = mode_runner(trace, spec, mode, model, device=device, seed=seed, sampling=sampling,
                                    time_ops=args.time_ops, tokenizer=tokenizer, progress=bar.update,
-                                   warmup=not args.no_warmup, dynamic_keep=dyn)
+                                   warmup=not args.no_warmup, dynamic_keep=dyn, **extra)
         metrics[mode] = summ
         frames.append(records_frame(res.records, mode=mode))
         leaks[mode] = leak
@@ -342,7 +349,7 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     common = {"trace": str(spec.trace_path), "model": spec.model.name, "weights": info.get("source"),
               "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
               "seed": seed, "profile": spec.profile_label, "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
-              "dynamic_keep": dyn}
+              "dynamic_keep": dyn, "async_steps": bool(args.async_steps)}
     if probe_rec is not None:
         common["probe"] = probe_rec
     for m in metrics.values():

@@ -40,12 +40,17 @@ scheduler's pool.
 ``duration_s`` is the measured wall time of the step (``torch.cuda.synchronize``
 at the end) plus the scheduler's host time for it when the scheduler is a
 :class:`TimedScheduler`.
+
+Asynchronous decode steps (``ExecutorOptions.async_steps``; ``launch`` / ``complete``, docs/engine.md): a graphed
+pure-decode step is launched before the previous step's tokens reach the host; its rows read them on the device and
+the host records them one step late. Its duration is the time between the two steps' end events.
 """
 from __future__ import annotations
 
 import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,13 +160,19 @@ class TokenSource:
                 ids[lo - start:hi - start] = self._segment(key, b - a)[lo - a:hi - a]
         return ids
 
-    def output_id(self, rid: int, pos: int, sampled: int) -> int:
-        """The id the session's stream holds at ``pos`` after sampling ``sampled`` there."""
+    def declared_id(self, rid: int, pos: int) -> int | None:
+        """The id a shared-prefix declaration fixes at context position ``pos`` of turn ``rid``'s session (what the
+        stream holds there whatever is sampled), else None."""
         if rid not in self.texts:
             for a, b, key in self._spans.get(self._session.get(rid), ()):
                 if a <= pos < b:
                     return int(self._segment(key, b - a)[pos - a])
-        return sampled
+        return None
+
+    def output_id(self, rid: int, pos: int, sampled: int) -> int:
+        """The id the session's stream holds at ``pos`` after sampling ``sampled`` there."""
+        d = self.declared_id(rid, pos)
+        return sampled if d is None else d
 
 
 
@@ -197,6 +208,48 @@ class ExecutorOptions:
     # costs of a decode launch, for the AOT split table's regime choice (tangram.planner.aot_bucket_split_map);
     # tangram-bench passes the GPU's tables (the ones the cost model reads); None = Algorithm 1 capped per context
     decode_costs: DecodeCosts | None = None
+    # asynchronous decode steps (the harness's launch / complete): a graphed pure-decode step is launched before the
+    # previous step's sampled tokens reach the host; its rows read those tokens on the device, and the host records
+    # them one step late (docs/engine.md, "Asynchronous decode steps"). Other steps run synchronously. Off: every
+    # step syncs on its tokens before the next is planned
+    async_steps: bool = False
+
+
+# the host's placeholder id of a row whose input token is still on the device (the previous step's sample, not yet
+# copied back): the device gather overwrites it before the forward reads it (a test poisons it to prove that)
+PENDING_TOKEN = 0
+
+
+def _mark(cuda: bool):
+    """A point on the step clock: a CUDA event recorded on the current stream (its time is when the GPU reaches
+    it, after every earlier launch), or perf_counter on the CPU (where every launch has finished on return)."""
+    if cuda:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+    return time.perf_counter()
+
+
+def _elapsed(a, b, cuda: bool) -> float:
+    return a.elapsed_time(b) / 1e3 if cuda else b - a
+
+
+@dataclass
+class _InFlight:
+    """A step launched ahead: on the device, its sampled tokens not yet read by the host."""
+
+    plan: StepPlan
+    toks: torch.Tensor  # [kd] int64 sampled tokens on the device (the next step's pending rows read them)
+    host: torch.Tensor  # [kd] their copy to (pinned) host memory, issued after the sampling; valid once `end` is done
+    end: object  # clock mark after the step's last launch (sampling and the token copy included)
+    start: object | None  # mark before its host work when nothing was in flight; None: the previous step's end
+    prev_end: object | None
+    rows: dict  # request id -> row of toks
+    pos: list
+    logits: torch.Tensor | None  # record_logits: a device copy (the next replay overwrites the static buffer)
+    host_s: float  # the scheduler's host time since the last step (overlapped when start is None)
+    capture_s: float
+    fed: int  # rows whose input token came from the previous step's device tokens
 
 
 class _Ops:
@@ -260,6 +313,8 @@ class Executor:
         self._started: set[int] = set()
         self.logit_log: list[tuple[int, int, torch.Tensor]] = []
         self.steps = 0
+        self._queue: deque = deque()  # launched steps not yet completed, in launch order (_InFlight or StepResult)
+        self.device_fed = 0  # decode rows whose input token was read on the device (asynchronous steps)
         if self.opts.num_sms is not None:
             self.num_sms = self.opts.num_sms
         elif self.cuda:
@@ -584,10 +639,12 @@ class Executor:
             ops.stop("compression")
         return h.index_select(0, st["rows"]), st, host_plan_s
 
-    def _forward_graph(self, plan: StepPlan, ids, pos) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_graph(self, plan: StepPlan, ids, pos, src=None,
+                       prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A graphed decode step: all host work first (table writes since the last step, rows, tokens, positions,
         lengths), then one upload, the table writes and row gather, the static-buffer copies and the replays, back
-        to back, so the GPU does not wait on the host between them."""
+        to back, so the GPU does not wait on the host between them. ``src`` (asynchronous steps): per row, the row
+        of ``prev`` (the step in flight's device tokens) that holds its input token, -1 where ``ids`` has it."""
         if self.partition == "static":
             ctx = context_bucket(int(plan.decode_head_lens.max()))
         else:
@@ -596,13 +653,123 @@ class Executor:
         w = max(1, int(self.sched.bt.npages[rows].max())) if rows.size else 1
         arrays = {"rows": rows, "tok": np.asarray(ids), "pos": np.asarray(pos), "lens": plan.decode_head_lens,
                   **self._table_write_arrays()}
+        if src is not None:
+            arrays["src"] = np.asarray(src)
         up = self.cache.upload(arrays, np.int64)
         self._apply_table_writes(up)
         tables = self._bt_dev.index_select(0, up["rows"])[:, :, :w]
-        return self.graphs.run(up["tok"], up["pos"], tables, up["lens"], ctx)
+        tok = up["tok"]
+        if src is not None:  # the previous step's samples, read on the device in stream order (no host round trip)
+            tok = torch.where(up["src"] >= 0, prev.index_select(0, up["src"].clamp(min=0)), tok)
+        return self.graphs.run(tok, up["pos"], tables, up["lens"], ctx)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; it is complete (tokens in the streams, duration measured) when this returns."""
+        if self._queue:
+            raise RuntimeError("execute() while launched steps are not completed: call complete() first")
+        return self._execute_sync(plan)
+
+    # ------------------------------------------------------------------ asynchronous steps
+    @property
+    def runs_ahead(self) -> bool:
+        """The harness drives this executor by ``launch`` / ``complete`` (it may plan the next step while one runs)."""
+        return bool(self.opts.async_steps) and self.graphs is not None
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> bool:
+        """Start one step. True: it is in flight (a graphed pure-decode step with ``async_steps``): the scheduler
+        may plan the next step, whose launch reads this one's tokens on the device, before :meth:`complete`
+        returns this one. False: it ran synchronously (after completing what was in flight, since it reads the
+        host token streams). Either way :meth:`complete` returns the results in launch order."""
+        kd, kp = plan.num_decode, plan.num_prefill
+        if not (self.opts.async_steps and kp == 0 and self._use_graph(kd, kp)):
+            self._drain()
+            self._queue.append(self._execute_sync(plan))
+            return False
+        # at most one step stays in flight under the new one: the newest, whose tokens are the new one's inputs
+        self._drain(keep_last=bool(self._queue) and isinstance(self._queue[-1], _InFlight))
+        prev = self._queue[-1] if self._queue and isinstance(self._queue[-1], _InFlight) else None
+        start = None if prev is not None else _mark(self.cuda)
+        host_s = self.sched.take_host_s() if hasattr(self.sched, "take_host_s") else 0.0
+        if plan.copy_src.size:
+            self.cache.copy_pages(plan.copy_src, plan.copy_dst)
+        ids, pos, src, fed = self._gather_ahead(plan, prev)
+        captures0 = self.graphs.stats.capture_s
+        logits, toks = self._forward_graph(plan, ids, pos, src if fed else None, prev.toks if fed else None)
+        if toks is None:
+            toks = self.sampler(logits)
+        host = torch.empty(kd, dtype=torch.long, pin_memory=self.cuda)
+        host.copy_(toks, non_blocking=True)  # lands when the step does; read after `end` completes
+        keep = logits.clone() if self.opts.record_logits else None
+        end = _mark(self.cuda)
+        self.device_fed += fed
+        self._queue.append(_InFlight(plan, toks, host, end, start, prev.end if prev is not None else None,
+                                     {rid: j for j, rid in enumerate(plan.decode_ids.tolist())}, pos, keep, host_s,
+                                     self.graphs.stats.capture_s - captures0, fed))
+        return True
+
+    @torch.inference_mode()
+    def complete(self) -> StepResult:
+        """The result of the oldest launched step, waiting for it on the device if it is in flight."""
+        if not self._queue:
+            raise RuntimeError("complete() without a launched step")
+        item = self._queue.popleft()
+        return self._finish(item) if isinstance(item, _InFlight) else item
+
+    def _drain(self, keep_last: bool = False) -> None:
+        """Complete every step in flight (all but the newest with ``keep_last``), in launch order; their results
+        stay queued for :meth:`complete`."""
+        n = len(self._queue) - (1 if keep_last else 0)
+        for i in range(max(0, n)):
+            if isinstance(self._queue[i], _InFlight):
+                self._queue[i] = self._finish(self._queue[i])
+
+    def _gather_ahead(self, plan: StepPlan, prev: _InFlight | None) -> tuple[list, list, list, int]:
+        """Input ids, positions and device sources of an asynchronous decode step's rows. A row whose stream ends
+        just before the position it feeds, and that sampled in ``prev`` (still in flight), is fed that sample: read
+        on the device (``src`` = its row there; ``ids`` holds PENDING_TOKEN), unless a shared-prefix declaration
+        fixes the id at that position (the host knows it: what ``TokenSource.output_id`` will record). Any other row
+        reads its stream (a position the stream already holds, e.g. a prompt token, is never the sample). Returns
+        (ids, pos, src, rows fed on the device)."""
+        ids, pos, src = [], [], []
+        rows = prev.rows if prev is not None else {}
+        fed = 0
+        for rid, ctx in zip(plan.decode_ids.tolist(), plan.decode_ctx.tolist()):
+            p = ctx - 1
+            j = rows.get(rid)
+            s = self._stream(rid)
+            if j is None or len(s) > p:
+                ids.append(s[p])
+                src.append(-1)
+            elif (d := self.tokens.declared_id(rid, p)) is not None:
+                ids.append(d)
+                src.append(-1)
+            else:
+                ids.append(PENDING_TOKEN)
+                src.append(j)
+                fed += 1
+            pos.append(p)
+        return ids, pos, src, fed
+
+    def _finish(self, rec: _InFlight) -> StepResult:
+        """Wait for an in-flight step, record its tokens in the streams, and time it: from the previous step's end
+        when it was launched behind one (the time between consecutive step completions, which counts whatever host
+        work the GPU waited through and nothing it did not), else from its own start plus the scheduler's time
+        before it (as a synchronous step)."""
+        if self.cuda:
+            rec.end.synchronize()
+        sampled = self._record_samples(rec.plan, rec.host.numpy(), rec.logits, rec.pos, [])
+        behind = rec.start is None
+        span = _elapsed(rec.prev_end if behind else rec.start, rec.end, self.cuda)
+        breakdown = {"host_overlapped": rec.host_s} if behind else {"host": rec.host_s}
+        if rec.capture_s:
+            breakdown["graph_capture"] = rec.capture_s
+        breakdown["engine_graph"] = max(0.0, span - rec.capture_s)
+        self.steps += 1
+        return StepResult(rec.plan.step, span + (0.0 if behind else rec.host_s), breakdown, None, sampled)
+
+    def _execute_sync(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         ops = _Ops(self.opts.time_ops, self.cuda)
         kd, kp = plan.num_decode, plan.num_prefill

@@ -10,8 +10,13 @@ steps on synthetic sessions whose KV pages are filled with random values: every 
 tokens, each head ``ceil(keep_ratio * context)`` of them (the scheduler's reservation), one token more each step.
 Per point it reports
 
-* ``wall_ms``: :meth:`Executor.execute` end to end (host work, the input copy, the graph replay, lm_head and
-  sampling, the sync), median over ``--steps`` steps;
+* ``wall_ms``: host time from one step's completion to the next's (host work, the input copy, the graph replay,
+  lm_head and sampling, the token copy back), median over ``--steps`` steps: synchronous steps
+  (:meth:`Executor.execute` end to end) by default, or with ``--async-steps`` the engine's asynchronous decode steps
+  (each step launched before the previous one's tokens are read: ``launch`` / ``complete``, the harness's order);
+  ``step_ms`` is the engine's own step time (``StepResult.duration_s``, CUDA events between completions when
+  asynchronous); the profiler, events and host-timeline sections below always time synchronous steps
+  (:meth:`Executor.execute`);
 * ``gpu_ms`` / ``kernel_ms``: the device span of a step and the sum of its kernels, from ``torch.profiler`` on
   graph-replayed steps, with the kernel time split by operator (GEMMs, decode attention and its merge, the fused
   RoPE/KV write, norms, activation, lm_head/sampling, copies, other) and the idle time inside the span;
@@ -28,6 +33,7 @@ spends outside its kernels (the case for or against piecewise CUDA graphs). The 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -104,10 +110,11 @@ def copy_bandwidth(torch, device) -> float:
 
 
 class _Tokens:
-    """A stand-in token stream: any position reads a fixed pseudo-random id; appends are dropped."""
+    """A stand-in token stream: any position reads a fixed pseudo-random id; appends only count (the length tells an
+    asynchronous step which rows' inputs are still on the device)."""
 
-    def __init__(self, vocab: int, seed: int):
-        self.vocab, self.seed = vocab, seed
+    def __init__(self, vocab: int, seed: int, length: int = 1 << 40):
+        self.vocab, self.seed, self.n = vocab, seed, length
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -115,13 +122,13 @@ class _Tokens:
         return (i * 2654435761 + self.seed) % self.vocab
 
     def __len__(self):
-        return 1 << 40
+        return self.n
 
-    def extend(self, _):
-        pass
+    def extend(self, x):
+        self.n += len(x)
 
     def append(self, _):
-        pass
+        self.n += 1
 
 
 class _Tables:
@@ -206,7 +213,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     probe = TimedScheduler(cfg, eng, prof, num_pages=1)
     ratio = probe.keep_ratio
     # tokens a point's rows grow by (timed, profiled, events, host timeline)
-    grow = args.steps + 3 + args.profile_steps + 3 + 8 + 2 * HOST_STEPS + 1
+    grow = args.steps + 3 + args.profile_steps + 3 + 8 + 2 * HOST_STEPS + 2
     top = np.ceil(ratio * (max(args.contexts) + grow)).astype(np.int64)
     need_b = int(max(args.batches) * probe.layout.pages_for(probe.layout.table_lens(top[None])[0]).sum()
                  * probe.layout.page_bytes * 1.02) + 2**26
@@ -215,6 +222,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     fields = {f.name for f in dataclasses.fields(ExecutorOptions)}
     kw = dict(cuda_graphs="auto" if dev.type == "cuda" else "emulate",
               graph_max_context=max(args.contexts) + args.steps + 64)
+    if args.async_steps:
+        kw["async_steps"] = True
     if args.graph_layers is not None:
         kw["graph_layers"] = args.graph_layers
     if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
@@ -222,7 +231,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
 
         kw["decode_costs"] = DecodeCosts.load(tables_dir(args.gpu), cfg.name)
     exe = Executor(args.model_obj, sched, TokenSource(cfg.vocab, seed=args.seed), ExecutorOptions(**kw))
-    exe._stream = lambda rid: _Tokens(cfg.vocab, rid)  # synthetic sessions: no scheduler requests behind the rows
+    streams: dict[int, _Tokens] = {}  # synthetic sessions: no scheduler requests behind the rows
+    exe._stream = lambda rid: streams.get(rid) or _Tokens(cfg.vocab, rid)
     pool = exe.cache.pool
     step = max(1, pool.numel() // 16)
     for i in range(0, pool.numel(), step):  # random K/V everywhere (never time on zeros or NaN)
@@ -255,17 +265,17 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
             sched.bt = tabs
             lens = np.repeat(lens0[None], batch, axis=0)
             c = ctx
-            times = []
-            _sync(torch, dev)
-            for i in range(args.steps + 3):  # 3 warm-up steps (the first may capture this key's graph)
-                lens += 1
+            streams.clear()
+            streams.update({r: _Tokens(cfg.vocab, r, length=ctx + 1) for r in range(batch)})  # positions 0..ctx
+
+            def nxt():
+                nonlocal c
+                lens[:] += 1
                 c += 1
-                plan = plan_for(batch, lens, c)
-                t = time.perf_counter()
-                res = exe.execute(plan)
-                if i >= 3:
-                    times.append(time.perf_counter() - t)
-            graphed = "engine_graph" in res.breakdown
+                return plan_for(batch, lens, c)
+            _sync(torch, dev)
+            times, durs, res = timed_steps(exe, nxt, args.steps, 3, args.async_steps)  # 3 warm-up steps (the first
+            graphed = "engine_graph" in res.breakdown  # may capture this key's graph)
             prof_rows = profile_steps(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], args.profile_steps)
             ev = events_split(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], 2)
             ht = host_timeline(exe, lambda: (lens.__iadd__(1), plan_for(batch, lens, c))[1], HOST_STEPS)
@@ -276,7 +286,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
                    "graphed": graphed, "aliased": aliased, "distinct_rows": distinct, "weight_gb": wb / 1e9,
                    "kv_gb": kvb / 1e9, "roofline_ms": roof * 1e3, "wall_ms": float(np.median(times)) * 1e3,
                    "wall_p20_ms": float(np.percentile(times, 20)) * 1e3,
-                   "wall_p80_ms": float(np.percentile(times, 80)) * 1e3, **prof_rows, **ev, **ht}
+                   "wall_p80_ms": float(np.percentile(times, 80)) * 1e3, "step_ms": float(np.median(durs)) * 1e3,
+                   "async_steps": bool(args.async_steps), "device_fed_rows": exe.device_fed, **prof_rows, **ev, **ht}
             row["of_roofline_wall"] = row["roofline_ms"] / row["wall_ms"]
             if row.get("gpu_ms"):
                 row["of_roofline_gpu"] = row["roofline_ms"] / row["gpu_ms"]
@@ -290,6 +301,34 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows_out, mixed
+
+
+def timed_steps(exe, next_plan, n: int, warm: int, async_steps: bool) -> tuple[list, list, object]:
+    """``n`` timed steps after ``warm`` untimed ones: (host seconds from the previous step's completion to each
+    step's, the engine's step durations, the last result). Asynchronous: step i + 1 is launched before step i is
+    completed (the harness's order), and one more step is launched and drained at the end."""
+    times, durs = [], []
+    if not async_steps:
+        for i in range(n + warm):
+            plan = next_plan()
+            t = time.perf_counter()
+            res = exe.execute(plan)
+            if i >= warm:
+                times.append(time.perf_counter() - t)
+                durs.append(res.duration_s)
+        return times, durs, res
+    exe.launch(next_plan())
+    t_prev = time.perf_counter()
+    for i in range(n + warm):
+        exe.launch(next_plan())
+        res = exe.complete()
+        t = time.perf_counter()
+        if i >= warm:
+            times.append(t - t_prev)
+            durs.append(res.duration_s)
+        t_prev = t
+    exe.complete()
+    return times, durs, res
 
 
 def _sync(torch, dev) -> None:
@@ -502,7 +541,8 @@ def mixed_steps(exe, sched, cfg, eng, ratio, plan_for, rng, args, log, name) -> 
 
 def markdown(rows: list[dict], mixed: dict, copy_bw: float, meta: dict) -> str:
     lines = ["# Decode-step roofline", "", f"- device: {meta.get('device')}; copy bandwidth {copy_bw / 1e9:.0f} GB/s "
-             "(read + written, measured in this run)", f"- command: `{meta.get('command')}`", "",
+             "(read + written, measured in this run)", f"- command: `{meta.get('command')}`",
+             f"- decode steps: {'asynchronous' if meta.get('async_steps') else 'synchronous'}", "",
              "| config | batch | context | roofline ms | wall ms | gpu ms | kernels ms | % of roofline (wall) | "
              "% (gpu) | GEMM | decode attn | merge | rope+KV write | norm | act | other kernels | idle in span | "
              "aliased |", "|" + "---|" * 18]
@@ -566,6 +606,9 @@ def _parser():
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (emulated graphs, no profiler)")
     p.add_argument("--num-layers", type=int, help="use only this many layers of the model (smoke runs)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--async-steps", action=argparse.BooleanOptionalAction, default=False,
+                   help="time asynchronous decode steps (ExecutorOptions.async_steps: the next step is launched "
+                        "before the previous one's tokens are read); default: synchronous steps")
     return p
 
 
@@ -609,7 +652,7 @@ def main(argv=None) -> int:
             mixed[name] = mx
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_gbps": copy_bw / 1e9,
             "command": "python -m tangram.engine.roofline " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "torch": torch.__version__, "elapsed_s": time.time() - t0}
+            "torch": torch.__version__, "elapsed_s": time.time() - t0, "async_steps": bool(a.async_steps)}
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "roofline.csv", index=False)

@@ -22,6 +22,9 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   prompt, or before the pool runs short; anything done to the replica from outside while it runs (a turn routed to
   it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
   step-by-step path. ``fast_forward=False`` is that reference path.
+* Running ahead: an executor with ``runs_ahead`` (the engine with ``ExecutorOptions.async_steps``) is driven by
+  ``launch`` / ``complete``: while a step runs, the scheduler advances past it and the next step is planned and
+  launched; the clock advances by each step's measured duration when it completes (``_steps_ahead``).
 * ``slo_monitor`` (:class:`tangram.harness.slo.SLOMonitor`): the replay stops as soon as the SLO is certain to be
   missed; the requests left are listed as rejected "stopped early: ..." (so the run does not meet the SLO).
 """
@@ -78,6 +81,7 @@ class _Replica:
         self.proc: simpy.Process | None = None
         self.in_run = False  # inside a fast-forwarded run that an outside change must cut
         self.ff = hasattr(executor, "execute_run") and hasattr(sched, "plan_run")
+        self.ahead = bool(getattr(executor, "runs_ahead", False))  # launch / complete: plans the next step early
 
 
 class Cluster:
@@ -209,24 +213,73 @@ class Cluster:
                 yield rep.wake
                 rep.wake = None
                 continue
+            if rep.ahead:
+                yield from self._steps_ahead(rep, plan)
+                continue
             res = rep.executor.execute(plan)
             yield env.timeout(res.duration_s)
-            t1 = env.now
             events = sched.update(plan, res)
-            tr.steps += 1
-            tr.busy_s += res.duration_s
-            if plan.num_prefill:
-                tr.prefill_step_s += res.duration_s
-            bd = tr.breakdown
-            for k, v in res.breakdown.items():
-                bd[k] = bd.get(k, 0.0) + v
-            if self.record_kv:
-                tr.t.append(t1)
-                tr.reserved.append(sched.pool.n_used)
-                tr.live.append(sched.live_tokens)
-            self._handle(rep, events, t0, t1)
-            if self.monitor is not None and self.monitor.check(t1):
+            self._account(rep, plan, res, events, t0)
+            if self.monitor is not None and self.monitor.check(env.now):
                 yield self._halt()
+
+    def _account(self, rep: _Replica, plan, res: StepResult, events, t0: float, kv: tuple | None = None) -> None:
+        """A step ended now (``env.now``): its time, KV sample (``kv``: pages and live tokens taken right after its
+        scheduler update, default now) and events."""
+        tr, sched = rep.trace, rep.sched
+        t1 = self.env.now
+        tr.steps += 1
+        tr.busy_s += res.duration_s
+        if plan.num_prefill:
+            tr.prefill_step_s += res.duration_s
+        bd = tr.breakdown
+        for k, v in res.breakdown.items():
+            bd[k] = bd.get(k, 0.0) + v
+        if self.record_kv:
+            tr.t.append(t1)
+            n_used, live = kv if kv is not None else (sched.pool.n_used, sched.live_tokens)
+            tr.reserved.append(n_used)
+            tr.live.append(live)
+        self._handle(rep, events, t0, t1)
+
+    def _steps_ahead(self, rep: _Replica, plan):
+        """Steps of an executor that runs ahead (``launch`` / ``complete``): while a step is in flight the scheduler
+        advances past it (it never reads token values) and the next step is planned and launched, so its host work
+        overlaps the device; then the first step completes and the clock advances by its measured duration. The
+        look-ahead stops where the synchronous order could differ: at a step that finishes a turn (its events may
+        submit the session's next turn before the next plan), when nothing is left to run, or when the executor ran
+        the step synchronously. A turn that arrives while a step runs joins one step later than in the synchronous
+        loop (as in vLLM's asynchronous scheduling)."""
+        env, sched, ex = self.env, rep.sched, rep.executor
+        t0 = env.now
+        flying = ex.launch(plan)
+        while True:
+            if not flying:  # ran synchronously: the usual order
+                res = ex.complete()
+                yield env.timeout(res.duration_s)
+                self._account(rep, plan, res, sched.update(plan, res), t0)
+                break
+            events = sched.update(plan, StepResult(plan.step, 0.0))  # provisional: nothing of the result is read
+            kv = (sched.pool.n_used, sched.live_tokens) if self.record_kv else None
+            nxt, extra = None, []
+            if not any(ev.kind == "finished" for ev in events) and sched.has_work():
+                nxt = sched.schedule()
+                if nxt.empty:
+                    extra, nxt = sched.update(nxt, StepResult(nxt.step, 0.0)), None
+                else:
+                    nxt_flying = ex.launch(nxt)
+            res = ex.complete()
+            yield env.timeout(res.duration_s)
+            self._account(rep, plan, res, events, t0, kv)
+            if extra:  # an empty plan's events (nothing was runnable after this step)
+                self._handle(rep, extra, env.now, env.now)
+            if self.monitor is not None and self.monitor.check(env.now):
+                if nxt is not None:
+                    ex.complete()  # the launched step ends before the replay does
+                yield self._halt()
+            if nxt is None:
+                break
+            plan, flying, t0 = nxt, nxt_flying, env.now
 
     def _halt(self) -> simpy.Event:
         """The SLO is certain to be missed: end the replay now (the replica waits on the stop event)."""

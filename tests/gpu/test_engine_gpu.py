@@ -44,7 +44,7 @@ def _trace():
                   Turn("c:0", "c", 0, 0.0, 0.0, 200, 9), Turn("c:1", "c", 1, None, 0.0, 30, 6)])
 
 
-def _serve(cfg, model, mode, cuda_graphs, graph_layers=4):
+def _serve(cfg, model, mode, cuda_graphs, graph_layers=4, async_steps=False):
     from tangram.budgets import synthetic_profile
     from tangram.config import EngineConfig
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -56,7 +56,7 @@ def _serve(cfg, model, mode, cuda_graphs, graph_layers=4):
     sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
     exe = Executor(model, sched, TokenSource(cfg.vocab, seed=1),
                    ExecutorOptions(record_logits=True, cuda_graphs=cuda_graphs, graph_layers=graph_layers,
-                                   decode_costs=DecodeCosts.load(tables_dir("h100"))))
+                                   decode_costs=DecodeCosts.load(tables_dir("h100")), async_steps=async_steps))
     res = Cluster(_trace(), [(sched, exe)]).run()
     return sched, exe, res
 
@@ -96,6 +96,29 @@ def test_every_mode_finite_no_leak_and_graphs_equal_eager(llama4, mode):
     print(f"{mode}: graph vs eager max rel err {err:.2e}, {exe.graphs.stats.replays} replays, "
           f"keys {exe.graphs.stats.keys}")
     assert err < 1e-4 and exe.streams == e2.streams
+
+
+@pytest.mark.parametrize("mode", ["full", "tangram", "dynamic"])
+def test_async_decode_steps_equal_the_synchronous_ones(llama4, mode):
+    """Asynchronous decode steps on CUDA (the next step launched before the previous one's tokens reach the host,
+    its rows fed those tokens on the device, the token copy non-blocking into pinned memory): the same greedy
+    tokens, logits and scheduler outcomes as synchronous steps (every turn is ready at once with no think time, so
+    the synchronous order depends on no clock)."""
+    cfg, model = llama4
+    s0, e0, r0 = _serve(cfg, model, mode, "auto")
+    s1, e1, r1 = _serve(cfg, model, mode, "auto", async_steps=True)
+    assert e1.runs_ahead and e1.device_fed > 0 and not e1._queue
+    assert e1.streams == e0.streams
+    ref = {(rid, pos): lg for rid, pos, lg in e0.logit_log}
+    got = {(rid, pos): lg for rid, pos, lg in e1.logit_log}
+    assert got.keys() == ref.keys()
+    err = max(float((got[k] - ref[k]).abs().max() / ref[k].abs().max()) for k in ref)
+    print(f"{mode}: async vs sync max rel err {err:.2e}, {e1.device_fed} rows fed on the device, "
+          f"{r1.replicas[0].steps} steps, busy {r1.replicas[0].busy_s:.3f} s vs {r0.replicas[0].busy_s:.3f} s")
+    assert err < 1e-6
+    assert [(r.status, r.preemptions) for r in r1.records] == [(r.status, r.preemptions) for r in r0.records]
+    assert r1.replicas[0].steps == r0.replicas[0].steps and r1.replicas[0].reserved == r0.replicas[0].reserved
+    assert s1.pool.n_used == 0 and all(d > 0 for d in [r1.replicas[0].busy_s])
 
 
 def _rel(a, b):
