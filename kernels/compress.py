@@ -469,6 +469,8 @@ def snapkv_scores_varlen(q, k, lse, cu: torch.Tensor, max_chunk: int, head_to_sl
     gq = Hq // H
     kp = cu.numel() - 1
     CS = score_width(max_chunk) if width is None else int(width)
+    if int(max_chunk) > CS:
+        raise ValueError(f"snapkv_scores_varlen: width {CS} is narrower than the longest chunk ({int(max_chunk)} tokens)")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if out is None:
         out = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)
@@ -631,6 +633,8 @@ def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_p
     kp, H = head_lens.shape
     gq = Hq // H
     CS = score_width(max_chunk) if width is None else int(width)
+    if int(max_chunk) > CS:  # the selection's block holds a whole chunk's scores
+        raise ValueError(f"snapkv_compress: width {CS} is narrower than the longest chunk ({int(max_chunk)} tokens)")
     if kept is None:
         kept = torch.empty((kp, H), dtype=torch.int32, device=k.device)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale

@@ -104,3 +104,17 @@ def test_fused_compression_ties_and_counters_reset(copy):
     rp, _ = ref_scatter(pool, tables[0], lens[0], s2h, k, v, keep, page_size=P, heads_per_group=2)
     pages = tables[0].long().flatten()
     assert torch.equal(outs[0][pages], rp[pages])
+
+
+def test_a_score_row_narrower_than_the_chunk_is_refused():
+    """The selection's block holds a whole chunk's scores: a width below the longest chunk would read and write
+    past it (an illegal address on the GPU), so both entry points refuse it."""
+    cu, pool, tables, s2h, lens, q, k, v = _case(5, cs=(70,), cached=(0,))
+    h2s = torch.argsort(s2h.long()).to(torch.int32)
+    _, lse = prefill_attention_varlen(q, k, v, cu, 70, pool, tables, lens, h2s, page_size=P, heads_per_group=2)
+    counts = torch.full((1, lens.shape[1]), 10, dtype=torch.int32)
+    with pytest.raises(ValueError, match="narrower than the longest chunk"):
+        snapkv_compress(q, k, v, lse, cu, 70, counts, pool.clone(), tables, lens, s2h, page_size=P,
+                        heads_per_group=2, window=8, pool_kernel=1, width=64)
+    with pytest.raises(ValueError, match="narrower than the longest chunk"):
+        snapkv_scores_varlen(q, k, lse, cu, 70, h2s, window=8, width=64)

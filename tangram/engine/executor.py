@@ -861,11 +861,11 @@ class Executor:
             select_scatter(None, k, v, cu, cmax, None, pool, tables, lens, s2h, **kw)
         else:
             realized = st["realized"][:, l]
-            if "keep" in st and self._fused_snapkv(st):  # one launch: score, kvpress's finish, top-k, copy
+            if "keep" in st and self._fused_snapkv(st):  # score, kvpress's finish, top-k; then the copy
                 P = self.score_params
+                width = score_width(max(self.engine.chunk_size, cmax))  # a longer chunk (never planned) widens it
                 snapkv_compress(q, k, v, lse, cu, cmax, st["keep"][:, l], pool, tables, lens, s2h, window=P.window,
-                                pool_kernel=P.kernel, sm_scale=self.scale, width=score_width(self.engine.chunk_size),
-                                kept=realized, **kw)
+                                pool_kernel=P.kernel, sm_scale=self.scale, width=width, kept=realized, **kw)
                 ops.stop("compression")
                 return
             scores = self._chunk_scores(l, q, k, v, lse, cu, cmax, st)  # finished: select_scatter pools nothing
@@ -898,7 +898,7 @@ class Executor:
         kp, H = cu.numel() - 1, self.cfg.num_kv_heads
         # one width per engine (its chunk size), not per step: the selection kernel's block is a compile-time
         # constant, and a step whose longest chunk fell in another power-of-two class compiled inside the run
-        CS = score_width(self.engine.chunk_size)
+        CS = score_width(max(self.engine.chunk_size, max_chunk))  # a longer chunk (never planned) widens it
         spec, P = method_spec(self.engine.score_method), self.score_params
         c = st["pf_tokens"]
         W = P.window
