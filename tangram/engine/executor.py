@@ -71,6 +71,7 @@ from tangram.kernels import (
     runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_compress, snapkv_scores_varlen,
     static_split_decode,
 )
+from tangram.kernels.decode import DEFAULT_CONFIG, DecodeConfig, kernel_resources
 from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec, snapkv_finish_batched
 from tangram.plan import StepPlan, StepResult
 from tangram.planner import DecodeCosts
@@ -208,6 +209,9 @@ class ExecutorOptions:
     # costs of a decode launch, for the AOT split table's regime choice (tangram.planner.aot_bucket_split_map);
     # tangram-bench passes the GPU's tables (the ones the cost model reads); None = Algorithm 1 capped per context
     decode_costs: DecodeCosts | None = None
+    # the decode kernel's tile (BLOCK_N x warps x stages); None: tangram.kernels.decode.DEFAULT_CONFIG, the tile the
+    # shipped tables were measured with (the routing's occupancy follows the tile: N_CTA is read from its kernel)
+    decode_config: DecodeConfig | None = None
     # asynchronous decode steps (the harness's launch / complete): a graphed pure-decode step is launched before the
     # previous step's sampled tokens reach the host; its rows read those tokens on the device, and the host records
     # them one step late (docs/engine.md, "Asynchronous decode steps"). Other steps run synchronously. Off: every
@@ -321,6 +325,7 @@ class Executor:
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         else:  # CPU (reference kernels or the Triton interpreter): one "SM" per core keeps grids small
             self.num_sms = os.cpu_count() or 1
+        self.decode_config = self.opts.decode_config or DEFAULT_CONFIG
         self.n_occ = self.opts.n_occ or self._measure_n_occ()
         self.aot = None
         fuse_projections(model)  # q/k/v and gate/up as one GEMM each (views: no extra memory)
@@ -380,9 +385,9 @@ class Executor:
         bt = torch.zeros((1, self.G, 1), dtype=torch.int32, device=self.device)
         lens = torch.ones((1, H), dtype=torch.int32, device=self.device)
         static_split_decode(q, pool, bt, lens, self.cache.slot_to_head[0], page_size=self.P, heads_per_group=self.hp,
-                            max_len=1, num_sms=self.num_sms)
+                            max_len=1, num_sms=self.num_sms, config=self.decode_config)
         torch.cuda.synchronize()
-        return decode_n_cta()
+        return decode_n_cta(kernel_resources(self.decode_config))
 
     # ------------------------------------------------------------------ tokens
     def _stream(self, rid: int) -> list[int]:
@@ -834,10 +839,11 @@ class Executor:
             ops.start("decode_attention")
             if self.partition == "static":
                 static_split_decode(q[:kd], pool, tables, lens, s2h, page_size=self.P, heads_per_group=self.hp,
-                                    max_len=st["max_len"][l], num_sms=self.num_sms, out=out[:kd])
+                                    max_len=st["max_len"][l], num_sms=self.num_sms, out=out[:kd],
+                                    config=self.decode_config)
             else:
                 launch_decode(q[:kd], pool, tables, lens, s2h, st["sched"][l], page_size=self.P,
-                              heads_per_group=self.hp, out=out[:kd])
+                              heads_per_group=self.hp, out=out[:kd], config=self.decode_config)
             ops.stop("decode_attention")
         if kp:
             self._prefill(l, q[kd:], k[kd:], v[kd:], out[kd:], pool, st)

@@ -226,6 +226,10 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
         kw["async_steps"] = True
     if args.graph_layers is not None:
         kw["graph_layers"] = args.graph_layers
+    if getattr(args, "decode_tile", None):
+        from tangram.kernels.decode import DecodeConfig
+
+        kw["decode_config"] = DecodeConfig(*map(int, args.decode_tile.split("x")))
     if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
         from tangram.planner import DecodeCosts, tables_dir
 
@@ -601,6 +605,8 @@ def _parser():
     p.add_argument("--reserve-gib", type=float, default=6.0, help="memory left free of the KV pool (GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill+decode steps")
+    p.add_argument("--decode-tile", help="decode kernel tile BLOCK_NxWARPSxSTAGES (ExecutorOptions.decode_config; "
+                   "default the shipped tile, tangram.kernels.decode.DEFAULT_CONFIG)")
     p.add_argument("--graph-layers", type=int, help="layers per captured decode graph (ExecutorOptions.graph_layers; "
                    "0: one graph for the whole step)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (emulated graphs, no profiler)")
@@ -621,6 +627,11 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
+    if a.decode_tile and not (len(a.decode_tile.split("x")) == 3
+                              and all(x.isdigit() and int(x) > 0 for x in a.decode_tile.split("x"))):
+        print(f"error: --decode-tile: expected BLOCK_NxWARPSxSTAGES (e.g. 128x8x3), got {a.decode_tile!r}",
+              file=sys.stderr)
+        return 2
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: the roofline benchmark needs a CUDA GPU (--device cpu for a smoke run)", file=sys.stderr)
         return 2
@@ -652,7 +663,8 @@ def main(argv=None) -> int:
             mixed[name] = mx
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_gbps": copy_bw / 1e9,
             "command": "python -m tangram.engine.roofline " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "torch": torch.__version__, "elapsed_s": time.time() - t0, "async_steps": bool(a.async_steps)}
+            "torch": torch.__version__, "elapsed_s": time.time() - t0, "async_steps": bool(a.async_steps),
+            "decode_tile": a.decode_tile or "default"}
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "roofline.csv", index=False)
