@@ -5,7 +5,8 @@
 #      15-25K tokens (ctx 20000 x U(0.75, 1.25)), later 256-768, outputs 48-144; full needs ~62 GB of KV for them;
 #   R2 (capped 2.5 GiB pool, the engine recipe of the first H100 runs): 6 sessions x 3 turns, first prompts 9-15K.
 # Modes tangram (reports/tuning/study/best_config.json), dynamic, full. Run from the branch's tree with the
-# merge-base tree at BEFORE (default ../before) and the simpy wheel at WHL (default ../whl).
+# merge-base tree at BEFORE (default ../before) and the simpy wheel at WHL (default ../whl). AFTER_FLAGS: extra
+# tangram-bench options for the branch's runs only (e.g. --async-steps).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD
@@ -28,7 +29,7 @@ for tr in R1 R2; do
     dir=$ROOT; [ $v = before ] && dir=$BEFORE
     (cd $dir && PYTHONPATH=/tmp/site_$v:/tmp/site timeout ${LIMIT:-150} python3 -m tangram.engine.bench $T/$tr.jsonl \
       --mode tangram,dynamic,full --config $T/config.json --model llama-3.1-8b --weights random $POOL --no-plots \
-      --out $T/${tr}_$v 2>&1 | grep -v "it/s\]" | tail -8)
+      $([ $v = after ] && echo "$AFTER_FLAGS") --out $T/${tr}_$v 2>&1 | grep -v "it/s\]" | tail -8)
   done
 done
 python3 - <<'PY'
