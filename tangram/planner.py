@@ -208,8 +208,8 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     N = int(n_occ)
     if not per_layer.any():
         z = np.zeros(0, dtype=np.intp)
-        return WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z, z, N, 0,
-                          True)
+        return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z,
+                                  z.copy(), N, 0, True))
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
     # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
@@ -227,10 +227,13 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
     col = np.arange(src.size) - start[row]
     w = int(tail_n.max())
-    out = WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False)
-    for a in (out.reps, out.k, out.waves, out.src, out.dst):
+    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False))
+
+
+def _frozen(launch: WaveLaunch) -> WaveLaunch:
+    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst):
         a.flags.writeable = False
-    return out
+    return launch
 
 
 def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
