@@ -416,9 +416,15 @@ class PagePool:
         return nzb[np.argsort((_BLOCK - self._bfree[nzb]).astype(np.int16), kind="stable")]
 
     def _block_ids(self, blocks: np.ndarray) -> np.ndarray:
-        """The free ids of ``blocks`` on the bitmap, block by block, ascending within each."""
-        pos = np.flatnonzero(self._isfree_blocks[blocks])
-        return pos + (blocks * _BLOCK - np.arange(blocks.size) * _BLOCK)[pos >> _BLOCK_SHIFT]
+        """The free ids of ``blocks`` on the bitmap, block by block, ascending within each (``blocks`` in the order
+        of :meth:`_emptiest`: the wholly free ones, first, are ranges; only the others are read off the bitmap)."""
+        whole = int(np.count_nonzero(self._bfree[blocks] == _BLOCK))
+        part = blocks[whole:]
+        pos = np.flatnonzero(self._isfree_blocks[part]) if part.size else np.zeros(0, dtype=np.intp)
+        ids = pos + (part * _BLOCK - np.arange(part.size) * _BLOCK)[pos >> _BLOCK_SHIFT]
+        if whole:
+            ids = np.concatenate(((blocks[:whole, None] * _BLOCK + np.arange(_BLOCK)).ravel(), ids))
+        return ids
 
     def _take_blocks(self, n: int) -> np.ndarray:
         """The ``n`` free ids of the bitmap's emptiest blocks (ascending within a block); ``n`` <= its free pages."""
