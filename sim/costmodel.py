@@ -309,7 +309,20 @@ class CostModel:
         if kp.any():
             att, comp = np.zeros(k), np.zeros(k)
             rows = self._prefill_rows(run.chunk_tokens, run.chunk_before, run.chunk_keep, run.retention)
-            for j in np.flatnonzero(kp) + 1:  # each step's chunks summed as the per-step path sums them
+            steps = np.flatnonzero(kp)
+            if "att" in rows and ("comp" in rows or not self.compress):
+                # every step's sums at once, as _prefill_sum adds them: np.add.reduceat adds one or two chunks as
+                # ndarray.sum does, three or more in another order (last bits differ): those steps go one by one
+                L = self.model.num_layers
+                first = run._bounds[steps]
+                att[steps] = np.add.reduceat(rows["att"], first) * L
+                if "comp" in rows:
+                    tot = 0
+                    for x in rows["comp"]:
+                        tot = tot + np.add.reduceat(x, first)
+                    comp[steps] = tot * L
+                steps = steps[kp[steps] > 2]
+            for j in steps + 1:  # each step's chunks summed as the per-step path sums them
                 att[j - 1], comp[j - 1] = self._prefill_sum(rows, run.chunks_of(int(j)))
             br["prefill_attention"] = att
             if self.compress:
