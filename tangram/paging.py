@@ -112,7 +112,7 @@ class KVLayout:
             for j in range(1, self.heads_per_group):
                 np.maximum(out, g[..., j], out=out)
             return out.reshape(lead + (self.n_tables,))
-        return head_lens.reshape(lead + (-1,)).max(axis=-1, keepdims=True)
+        return np.maximum.reduce(head_lens.reshape(lead + (-1,)), axis=-1, keepdims=True)  # .max without wrappers
 
     def table_min_lens(self, head_lens: np.ndarray) -> np.ndarray:
         """Tokens every head of each table holds [..., T]: the shortest head. Pages below ``min // P`` are full for
