@@ -21,7 +21,7 @@ from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
-                             pow2_bucket, runtime_plan, wave_time)
+                             launch_wave_time, pow2_bucket, runtime_plan, wave_launch)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -158,6 +158,7 @@ class CostModel:
         self.gq = model.gqa_group
         self.tok_head_bytes = 2 * model.head_dim * model.dtype_bytes
         self.sources: dict[str, str] = {}
+        self._launches: dict[tuple, tuple] = {}  # _launch, the last few
 
         # -- decode attention: launch + bytes / BW per call, from the table fit or the roofline
         # n_occ: decode CTAs resident at once (the wave size); n_cta: the CTAs a plan aims for, n_cta_scale
@@ -309,7 +310,20 @@ class CostModel:
         if kp.any():
             att, comp = np.zeros(k), np.zeros(k)
             rows = self._prefill_rows(run.chunk_tokens, run.chunk_before, run.chunk_keep, run.retention)
-            for j in np.flatnonzero(kp) + 1:  # each step's chunks summed as the per-step path sums them
+            steps = np.flatnonzero(kp)
+            if "att" in rows and ("comp" in rows or not self.compress):
+                # every step's sums at once, as _prefill_sum adds them: np.add.reduceat adds one or two chunks as
+                # ndarray.sum does, three or more in another order (last bits differ): those steps go one by one
+                L = self.model.num_layers
+                first = run._bounds[steps]
+                att[steps] = np.add.reduceat(rows["att"], first) * L
+                if "comp" in rows:
+                    tot = 0
+                    for x in rows["comp"]:
+                        tot = tot + np.add.reduceat(x, first)
+                    comp[steps] = tot * L
+                steps = steps[kp[steps] > 2]
+            for j in steps + 1:  # each step's chunks summed as the per-step path sums them
                 att[j - 1], comp[j - 1] = self._prefill_sum(rows, run.chunks_of(int(j)))
             br["prefill_attention"] = att
             if self.compress:
@@ -468,24 +482,40 @@ class CostModel:
         if self.partition == "aot":
             reps = self._aot_reps(kd, context)
             np.divide(by_layer, reps.reshape(L, kd, H), out=size)
+            key = ("aot", kd, context if context is None else decode_context_bucket(context))
         elif self.partition == "static":
             d = self.model.head_dim
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
             n_blocks = -(-int(lens.max(initial=1)) // block_n)
             s = self._static_split(kd * H, max(1, n_blocks))
             np.divide(by_layer, s, out=size)
-            reps = np.full((L, kd * H), s, dtype=np.int64)
+            key = ("static", L, kd * H, s)
+            reps = None if key in self._launches else np.full((L, kd * H), s, dtype=np.int64)
         else:  # runtime: FlashInfer-style per-layer plan recomputed every step on the host
             rp = runtime_plan(lens, self.n_cta)
             reps = np.stack(rp.splits).astype(np.int64).reshape(L, -1)  # [L, kd * H]
             np.divide(by_layer, reps.reshape(L, kd, H), out=size)
             plan_s = rp.host_items * self.host.runtime_plan_item_s
+            key = None
         size *= self.tok_head_bytes
-        t = float(wave_time(size.reshape(L, -1), reps, self.n_occ, self.dec_bw, self.cta_bw).sum())
-        n_partials = int(reps.sum())
+        launch, n_partials = self._launch(key, reps)
+        t = float(launch_wave_time(size.reshape(L, -1), launch, self.dec_bw, self.cta_bw).sum())
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         launches = L * self.dec_launch  # the fitted intercept of a call includes its merge kernel
         return t + combine + launches, plan_s
+
+    def _launch(self, key, reps: np.ndarray | None) -> tuple:
+        """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`) and its CTA count, kept for the
+        last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is kept; None:
+        not kept). A running batch is priced again at every refresh with the same CTA counts: only sizes change."""
+        hit = self._launches.get(key) if key is not None else None
+        if hit is None:
+            hit = (wave_launch(reps, self.n_occ), int(reps.sum()))
+            if key is not None:
+                if len(self._launches) >= 16:
+                    self._launches.pop(next(iter(self._launches)))
+                self._launches[key] = hit
+        return hit
 
     def _aot_reps(self, batch: int, context: int | None) -> np.ndarray:
         """CTAs per (layer, request x slot) of the AOT split map, [L, batch * H] int64 (read-only; the last few

@@ -101,10 +101,23 @@ class EngineOverhead:
         unknown = set(kernels) - set(TERMS)
         if unknown:
             raise ConfigError(f"engine overhead: unknown kernel terms {sorted(unknown)} (known: {TERMS})")
+        if type(kd) is int and type(kp) is int and all(type(v) is float for v in kernels.values()):
+            return self._step_s_one(kernels, num_layers, kd, kp, compress, aot, graphed)
         k = sum(getattr(self, _TERM_SCALE[t]) * np.asarray(v, dtype=np.float64) for t, v in kernels.items())
         g = self.graph_scale * sum(np.asarray(v, dtype=np.float64) for v in kernels.values())
         eager = np.maximum(k, self.issue_s(num_layers, kd, kp, compress, aot)) + self.sync_s
         return np.where(np.asarray(graphed, bool), g + self.graph_s, eager)
+
+    def _step_s_one(self, kernels: dict, num_layers: int, kd: int, kp: int, compress, aot, graphed) -> float:
+        """:meth:`step_s` of one step (Python floats: numpy's per-call overhead was most of a step's pricing), the
+        same operations in the same order, so the same value bit for bit."""
+        if bool(graphed):
+            return self.graph_scale * sum(kernels.values()) + self.graph_s
+        k = sum(getattr(self, _TERM_SCALE[t]) * v for t, v in kernels.items())
+        per_layer = (self.layer_s + (self.decode_layer_s + self.aot_decode_layer_s * float(bool(aot))) * (kd > 0)
+                     + (self.prefill_chunk_layer_s + self.compress_chunk_layer_s * float(bool(compress))) * float(kp))
+        issue = num_layers * per_layer + self.row_s * float(kd + kp)
+        return max(k, issue) + self.sync_s
 
     def coefficients(self) -> dict[str, float]:
         return {k: float(getattr(self, k)) for k in COEFFS}

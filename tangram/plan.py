@@ -122,6 +122,9 @@ class StepRun:
             self.chunk_pages = np.zeros((0, self.n_tables), dtype=np.int64)
         k = self.k
         self._bounds = np.searchsorted(self.chunk_step, np.arange(1, k + 2))  # chunks of step j: [b[j-1], b[j])
+        self._num_prefill = np.diff(self._bounds)
+        self._num_prefill.flags.writeable = False
+        self._n_heads = int(np.prod(self.head_lens0.shape[1:]))
 
     @property
     def k(self) -> int:
@@ -129,7 +132,7 @@ class StepRun:
 
     @property
     def _heads(self) -> int:
-        return int(np.prod(self.head_lens0.shape[1:]))
+        return self._n_heads
 
     @property
     def num_decode(self) -> int:
@@ -137,8 +140,8 @@ class StepRun:
 
     @property
     def num_prefill(self) -> np.ndarray:
-        """Chunks of each step [k]."""
-        return np.diff(self._bounds)
+        """Chunks of each step [k] (read-only)."""
+        return self._num_prefill
 
     def chunks_of(self, j: int) -> slice:
         return slice(int(self._bounds[j - 1]), int(self._bounds[j]))

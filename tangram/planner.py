@@ -216,16 +216,42 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     ``cta_s``. Shared by the AOT regime choice and the simulator's decode pricing.
 
     Only the tail (at most ``n_occ`` CTAs a row) is materialised: the body is the row's total bytes minus the
-    tail's, so a step costs O(entries + L * n_occ), not O(CTAs) (the simulator prices ~10^5 decode launches)."""
+    tail's, so a step costs O(entries + L * n_occ), not O(CTAs) (the simulator prices ~10^5 decode launches).
+    A caller pricing the same launch shape again and again keeps :func:`wave_launch` and calls
+    :func:`launch_wave_time` (the same arithmetic, bit for bit)."""
     size_bytes = np.asarray(size_bytes, dtype=np.float64)
-    reps = np.asarray(reps).astype(np.int64, copy=False)
     L = size_bytes.shape[0]
-    size_bytes, reps = size_bytes.reshape(L, -1), reps.reshape(L, -1)
+    return launch_wave_time(size_bytes.reshape(L, -1), wave_launch(reps, n_occ), bw, cta_bw, cta_s)
+
+
+@dataclass(frozen=True, eq=False)
+class WaveLaunch:
+    """What :func:`wave_time` derives from the CTA counts alone (integers: the same for every pricing of one
+    launch shape, whatever the sizes): per entry its CTAs and those of them in the last wave, the waves per row,
+    and where each CTA of the last wave comes from (flat index into the sizes) and goes (into the tail)."""
+
+    reps: np.ndarray  # float64 [L, n] CTAs per entry (exact integers)
+    k: np.ndarray  # float64 [L, n] CTAs of the entry in the last wave
+    waves: np.ndarray  # int64 [L]
+    src: np.ndarray  # intp [m] flat index into size_bytes of each tail CTA
+    dst: np.ndarray  # intp [m] flat index into the [L, w] block of the tail that is sorted
+    n_occ: int
+    width: int  # w: the longest last wave (the columns of the tail that can be non-zero)
+    empty: bool  # no CTA at all
+
+
+def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
+    """The integer structure of a launch of ``reps[l, i]`` CTAs per entry over ``n_occ`` resident CTAs (read-only
+    arrays: a caller may keep it for every launch of this shape)."""
+    reps = np.asarray(reps).astype(np.int64, copy=False)
+    L = reps.shape[0]
+    reps = reps.reshape(L, -1)
     per_layer = reps.sum(axis=1)
-    out = np.zeros(L)
-    if not per_layer.any():
-        return out
     N = int(n_occ)
+    if not per_layer.any():
+        z = np.zeros(0, dtype=np.intp)
+        return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z,
+                                  z.copy(), N, 0, True))
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
     # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
@@ -234,30 +260,44 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
     np.subtract(tail_n[:, None], k, out=k)
     np.maximum(k, 0, out=k)
     np.minimum(k, reps, out=k)  # CTAs of entry i in the tail
-    total = (size_bytes * reps).sum(axis=1)
-    tail_bytes = (size_bytes * k).sum(axis=1)
-    body = (total - tail_bytes) / bw
     # the tails are the rows' last entries: gather them from the columns some row's tail reaches only
-    used = np.flatnonzero(k.any(axis=0))
-    c0, c1 = int(used[0]), int(used[-1]) + 1
-    ks = k[:, c0:c1]
-    kf = ks.ravel()
+    kf = k.ravel()
     nz = np.flatnonzero(kf)
     cnt = kf[nz]
-    vals = np.repeat(size_bytes[:, c0:c1].ravel()[nz], cnt)
-    row = np.repeat(nz // ks.shape[1], cnt)
+    src = np.repeat(nz, cnt)
+    row = src // reps.shape[1]
     start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
-    col = np.arange(vals.size) - start[row]
+    col = np.arange(src.size) - start[row]
+    w = int(tail_n.max())
+    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False))
+
+
+def _frozen(launch: WaveLaunch) -> WaveLaunch:
+    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst):
+        a.flags.writeable = False
+    return launch
+
+
+def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
+                     cta_s: float = 0.0) -> np.ndarray:
+    """:func:`wave_time` of sizes ``size_bytes`` [L, n] (float64) on a launch of :func:`wave_launch`."""
+    L = size_bytes.shape[0]
+    if launch.empty:
+        return np.zeros(L)
+    N, w = launch.n_occ, launch.width
+    total = (size_bytes * launch.reps).sum(axis=1)
+    tail_bytes = (size_bytes * launch.k).sum(axis=1)
+    body = (total - tail_bytes) / bw
     # each sorted row starts with its zero padding, so only the longest tail's columns need sorting
-    tail = np.zeros((L, N))
-    sub = tail[:, N - int(tail_n.max()):]
-    sub[row, col] = vals
+    sub = np.zeros((L, w))
+    sub.reshape(-1)[launch.dst] = size_bytes.reshape(-1)[launch.src]
     sub.sort(axis=1)
-    diffs = np.empty_like(tail)  # np.diff(tail, prepend=0), without the concatenation
-    diffs[:, 0] = tail[:, 0]
-    np.subtract(tail[:, 1:], tail[:, :-1], out=diffs[:, 1:])
+    diffs = np.empty((L, N))  # np.diff(tail, prepend=0), without the concatenation; the tail is [0.., sub]
+    diffs[:, :N - w] = 0.0
+    diffs[:, N - w] = sub[:, 0]
+    np.subtract(sub[:, 1:], sub[:, :-1], out=diffs[:, N - w + 1:])
     diffs *= _tail_rates(N, float(bw), float(cta_bw))
-    return body + diffs.sum(axis=1) + waves * cta_s
+    return body + diffs.sum(axis=1) + launch.waves * cta_s
 
 
 @lru_cache(maxsize=64)

@@ -42,9 +42,10 @@ from tangram.prefix_cache import ChainPlan, PrefixCache, check_prefix
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One turn of a session being served."""
+    """One turn of a session being served (compared by identity: request ids are unique, and ``running.remove``
+    would otherwise compare every field of every turn before it)."""
 
     rid: int
     sid: str
@@ -344,7 +345,7 @@ class Scheduler:
         # 1. decode: every running request past its prefill writes one token.
         self._in_step: set[int] = set()
         while True:
-            dec = [r for r in self.running if r.decoding]
+            dec = [r for r in self.running if r.status == "running" and r.prefilled >= r.prompt]
             if not dec:
                 break
             rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
@@ -364,7 +365,7 @@ class Scheduler:
             self._head_tokens += rows.size * new_lens[0].size
             budget -= len(dec)
             d_ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
-            self._in_step.update(int(r) for r in d_ids)
+            self._in_step.update(r.rid for r in dec)
             d_rows, d_ctx, d_lens = rows, self.ctx[rows].copy(), new_lens
         else:
             d_ids = d_rows = d_ctx = _EMPTY
@@ -373,7 +374,7 @@ class Scheduler:
         # 2. prefill chunks of admitted requests, then 3. admit waiting turns FCFS.
         pf: list[tuple] = []
         for req in list(self.running):
-            if req.status == "running" and not req.decoding and (budget > 0 or not pf):
+            if req.status == "running" and req.prefilled < req.prompt and (budget > 0 or not pf):
                 budget -= self._schedule_chunk(req, budget, pf)
         # As vLLM v1: a step that had to preempt admits nothing new (admitting would only feed the thrash).
         # A turn is admitted only if its first chunk also fits this step's token budget: admitted turns that get
@@ -628,8 +629,13 @@ class Scheduler:
         if plan.num_prefill:
             for rid in plan.prefill_ids[plan.prefill_last].tolist():
                 self._emit_token(reqs[rid], events)
-        for rid in plan.decode_ids.tolist():
-            self._emit_token(reqs[rid], events)
+        for rid in plan.decode_ids.tolist():  # _emit_token, inline for the turns that neither start nor finish
+            req = reqs[rid]
+            g = req.generated + 1
+            if g == 1 or g >= req.output_tokens:
+                self._emit_token(req, events)
+            else:
+                req.generated = g
         return events
 
     def _emit_token(self, req: Request, events: list[Event]) -> None:
@@ -854,10 +860,13 @@ class Scheduler:
         events: list[Event] = []
         for r in last_prefill:
             self._emit_token(r, events)
-        for r in dec:
-            r.generated += j - 1
-        for r in dec:
-            self._emit_token(r, events)
+        for r in dec:  # j - 1 tokens, then the j-th through _emit_token when it starts or finishes the turn
+            g = r.generated + j
+            if g == 1 or g >= r.output_tokens:
+                r.generated = g - 1
+                self._emit_token(r, events)
+            else:
+                r.generated = g
         self._events = []
         return events
 

@@ -248,3 +248,20 @@ def test_calibrate_engine_times_operators(tmp_path, capsys):
     assert len(pf) and (pf["meas_prefill_attention"] > 0).all() and (pf["meas_compression"] > 0).all()
     out = capsys.readouterr().out
     assert "prefill_attention" in out and "meas/pred" in out
+
+
+def test_one_step_is_priced_as_the_array_path_bit_for_bit():
+    """A single step (Python scalars) takes a float path; it gives the same seconds as the same step inside arrays
+    (a run of steps), bit for bit, graphed or eager, whichever of kernels or issue work dominates."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        c = eo.EngineOverhead(*(rng.uniform(1e-6, 1e-3, 8)), kernel_scale=rng.uniform(0.5, 2),
+                              prefill_scale=rng.uniform(0.5, 2), compress_scale=rng.uniform(0.5, 2),
+                              decode_scale=rng.uniform(0.5, 2), graph_scale=rng.uniform(0.5, 2))
+        terms = {t: float(rng.uniform(0, 1e-2)) if rng.random() < 0.8 else 0.0 for t in eo.TERMS}
+        kd, kp = int(rng.integers(0, 300)), int(rng.integers(0, 5))
+        compress, aot, graphed = bool(rng.random() < 0.5), bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+        one = c.step_s(terms, 32, kd, kp, compress, aot, graphed)
+        arr = c.step_s({t: np.array([v, v]) for t, v in terms.items()}, 32, np.array([kd, kd]), np.array([kp, kp]),
+                       compress, aot, np.array([graphed, graphed]))
+        assert isinstance(one, float) and one == arr[0] == arr[1]

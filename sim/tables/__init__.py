@@ -349,6 +349,7 @@ class PrefillInterp:
         self.work = c * (n + num_kv_heads * c / 2)
         self.vals = {k: np.maximum(rows[k].to_numpy(float), 1e-6) * 1e-3 for k in self.cols}
         self._near = NearestNDInterpolator(self.pts, np.arange(len(rows)))
+        self._memo: dict[tuple, dict[str, np.ndarray]] = {}
         # one interpolant over every column: one simplex search per query instead of one per column (the same
         # barycentric weights, so the same values), and the nearest point only where a query leaves the hull
         self._lin = None
@@ -356,8 +357,24 @@ class PrefillInterp:
             self._lin = LinearNDInterpolator(self.pts, np.stack([np.log(self.vals[k]) for k in self.cols], axis=1))
 
     def __call__(self, chunk: np.ndarray, cached: np.ndarray) -> dict[str, np.ndarray]:
-        """Seconds per layer call for chunks of ``chunk`` tokens over ``cached`` retained tokens of the layer."""
+        """Seconds per layer call for chunks of ``chunk`` tokens over ``cached`` retained tokens of the layer
+        (read-only arrays; the last few thousand calls are kept: a replay prices the same chunks again when a run
+        of steps is cut short and planned again, ~30% of calls). A whole call is kept, never a query on its own:
+        scipy's simplex walk starts from the previous query's simplex, so a query on a simplex edge may differ in
+        its last bit from the same query in another batch."""
         chunk, cached = np.asarray(chunk, float), np.asarray(cached, float)
+        key = (chunk.shape, chunk.tobytes(), cached.tobytes())
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._eval(chunk, cached)
+            for v in hit.values():
+                v.flags.writeable = False
+            if len(self._memo) >= 4096:
+                self._memo.pop(next(iter(self._memo)))
+            self._memo[key] = hit
+        return hit
+
+    def _eval(self, chunk: np.ndarray, cached: np.ndarray) -> dict[str, np.ndarray]:
         q = np.stack([np.log(np.maximum(chunk, 1)), np.log1p(cached)], axis=1)
         lin = self._lin(q) if self._lin is not None else None
         if lin is not None and np.isfinite(lin).all():

@@ -135,7 +135,7 @@ def build_shard(sd: dict[str, torch.Tensor], cfg: ModelConfig, perm: np.ndarray,
 
 class PageMap:
     """One rank's pages: the scheduler's page id -> a page of the rank's own pool. The rank pages come from a
-    :class:`~tangram.paging.PagePool` of the rank's capacity (the one allocator class: its free stack and its
+    :class:`~tangram.paging.PagePool` of the rank's capacity (the one allocator class: its free space and its
     double-free checks), each held once while the scheduler's page is mapped."""
 
     def __init__(self, num_pages: int, capacity: int, rank: int):

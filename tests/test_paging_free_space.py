@@ -1,0 +1,104 @@
+"""The page pool's free space (a bitmap with per-block counts for large requests, a stack for small ones) under
+random allocations, releases and pins (hypothesis): every page handed out is free and distinct, the free pages are
+exactly those no row holds and no unit pins, and a large request is served from few dense blocks."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tangram.paging as paging
+from tangram.paging import OutOfPages, PagePool
+
+
+@pytest.fixture(params=[(10, 512), (3, 5)], ids=["blocks_of_1024", "blocks_of_8"])
+def geometry(request, monkeypatch):
+    """The replay's block and small-request sizes, and tiny ones that make a small pool span many blocks."""
+    shift, small = request.param
+    monkeypatch.setattr(paging, "_BLOCK_SHIFT", shift)
+    monkeypatch.setattr(paging, "_BLOCK", 1 << shift)
+    monkeypatch.setattr(paging, "_SMALL", small)
+    return shift, small
+
+
+def _check(pool: PagePool, held: list[np.ndarray], pinned: list[np.ndarray]) -> None:
+    ref = np.zeros(pool.num_pages, dtype=np.int64)
+    pins = np.zeros(pool.num_pages, dtype=np.int64)
+    for ids in held:
+        np.add.at(ref, ids, 1)
+    for ids in pinned:
+        np.add.at(pins, ids, 1)
+    np.testing.assert_array_equal(pool.ref, ref)
+    np.testing.assert_array_equal(pool.pins, pins)
+    free = pool.free_ids()
+    # free exactly when nobody holds or pins the page: no leak, nothing freed in use, none listed twice
+    np.testing.assert_array_equal(free, np.flatnonzero((ref == 0) & (pins == 0)))
+    assert pool.n_free == free.size == pool.num_pages - pool.n_used
+    # each block's count of free pages is its bitmap row's (the stack's pages are off the bitmap)
+    np.testing.assert_array_equal(pool._bfree, pool._isfree_blocks.sum(axis=1))
+    assert not pool._isfree[pool.num_pages:].any()
+    assert not pool._isfree[pool._stack[:pool._n_stack]].any()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_pages=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1),
+       ops=st.lists(st.tuples(st.sampled_from(["alloc", "alloc_large", "release", "release_part", "pin", "unpin"]),
+                              st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=60))
+def test_free_space_invariants(geometry, num_pages, seed, ops):
+    rng = np.random.default_rng(seed)
+    pool = PagePool(num_pages, 64, check=True)
+    held: list[np.ndarray] = []  # rows' pages (each list entry one holder)
+    pinned: list[np.ndarray] = []
+    for kind, a, b in ops:
+        if kind in ("alloc", "alloc_large"):
+            small = paging._SMALL
+            n = int(a * (small - 1)) if kind == "alloc" else small + int(a * num_pages)
+            if n > pool.n_free:
+                with pytest.raises(OutOfPages):
+                    pool.alloc(n)
+                continue
+            before = pool.free_ids()
+            ids = pool.alloc(n)
+            assert ids.size == n and np.unique(ids).size == n and np.isin(ids, before).all()
+            if n >= small and n <= pool._bfree.size * paging._BLOCK:  # a large request: few blocks
+                blocks = np.unique(ids >> paging._BLOCK_SHIFT).size
+                assert blocks <= np.unique(before >> paging._BLOCK_SHIFT).size
+            held.append(ids)
+        elif kind in ("release", "release_part") and held:
+            i = int(a * len(held)) % len(held)
+            ids = held.pop(i)
+            if kind == "release_part" and ids.size > 1:  # part of a row's pages (the dynamic mode's truncate)
+                k = int(b * ids.size)
+                held.append(ids[k:])
+                ids = ids[:k]
+            freed = pool.release(rng.permutation(ids))
+            assert freed == int(np.count_nonzero(~np.isin(ids, np.concatenate(held + pinned + [ids[:0]]))))
+        elif kind == "pin" and held:
+            ids = held[int(a * len(held)) % len(held)]
+            sub = ids[: max(1, int(b * ids.size))]
+            pool.pin(sub, distinct=True)
+            pinned.append(sub)
+        elif kind == "unpin" and pinned:
+            pool.unpin(pinned.pop(int(a * len(pinned)) % len(pinned)), distinct=True)
+        _check(pool, held, pinned)
+    for ids in held:
+        pool.release(ids)
+    for ids in pinned:
+        pool.unpin(ids, distinct=True)
+    _check(pool, [], [])
+    assert pool.n_free == num_pages and pool.n_refs == 0 and pool.n_pinned == 0
+    # everything free again: one allocation of the whole pool hands out every page once
+    np.testing.assert_array_equal(np.sort(pool.alloc(num_pages)), np.arange(num_pages))
+
+
+def test_a_reservation_comes_from_the_emptiest_blocks():
+    """A large request after churn takes whole free blocks before the holes of used ones, ascending within each
+    block: the pages a row's release later walks through lie in few dense runs."""
+    B = paging._BLOCK
+    pool = PagePool(8 * B, 64, check=True)
+    a = pool.alloc(4 * B)  # blocks 0-3 taken
+    pool.release(a[::2].copy())  # holes: every other page of blocks 0-3 (a large release: back on the bitmap)
+    ids = pool.alloc(2 * B)
+    np.testing.assert_array_equal(ids, np.arange(4 * B, 6 * B))  # blocks 4 and 5, whole
+    ids2 = pool.alloc(2 * B + B // 2)  # blocks 6, 7, then half the free pages of block 0
+    np.testing.assert_array_equal(ids2[:2 * B], np.arange(6 * B, 8 * B))
+    np.testing.assert_array_equal(ids2[2 * B:], np.arange(0, B, 2))
