@@ -163,6 +163,30 @@ def _order_key(s):
     return tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
 
 
+@triton.jit
+def _copy_kv_rows(KN, VN, KV, rows, h, dst, load_ok, store_ok, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                  stride_kvkv, D: tl.constexpr):
+    """K/V rows ``rows`` of KV head ``h`` (new tokens) to pool offsets ``dst`` (K there, V ``stride_kvkv`` on)."""
+    offs_d = tl.arange(0, D)
+    k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=load_ok[:, None], other=0.0)
+    v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=load_ok[:, None], other=0.0)
+    tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=store_ok[:, None])
+    tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=store_ok[:, None])
+
+
+@triton.jit
+def _compress_block(CU, COUNTS, stride_ci, BLOCK_T: tl.constexpr):
+    """A (slot, token block, chunk) program's coordinates: the chunk's first row and length, the block's first
+    token and the slot's keep count (capped at the chunk; read even past the chunk's end: a valid address)."""
+    slot = tl.program_id(0)
+    tb = tl.program_id(1)
+    i = tl.program_id(2)
+    row0 = tl.load(CU + i)
+    c = tl.load(CU + i + 1) - row0
+    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
+    return slot, tb, i, row0, c, tb * BLOCK_T, cnt
+
+
 # max_pages (the step's widest table) takes any value: a specialisation per class would compile inside a run
 @triton.jit(do_not_specialize=["max_pages"],
             do_not_specialize_on_alignment=["CU", "COUNTS", "LENS", "SLOT2HEAD", "KEPT"])
@@ -227,12 +251,8 @@ def _select_scatter_kernel(
     page = tl.load(BT + i.to(tl.int64) * stride_btb + g * stride_btg + pidx, mask=ok, other=-1)
     ok = ok & (page >= 0)
     dst = page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt
-    offs_d = tl.arange(0, D)
-    rows = (row0 + offs_t).to(tl.int64)
-    k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
-    v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
-    tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
-    tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
+    _copy_kv_rows(KN, VN, KV, (row0 + offs_t).to(tl.int64), h, dst, ok, ok, stride_knt, stride_knh, stride_vnt,
+                  stride_vnh, stride_kvkv, D)
 
 
 @triton.jit
@@ -274,15 +294,9 @@ def _snapkv_compress_kernel(
     kept token's destination (ties to the earliest, in token order after the head's current length) into ``DST``
     and copies the head's kept K/V, ``BLOCK_C`` tokens at a time. Heads that keep every
     token copy their block at once, without scores."""
-    slot = tl.program_id(0)
-    tb = tl.program_id(1)
-    i = tl.program_id(2)
-    row0 = tl.load(CU + i)
-    c = tl.load(CU + i + 1) - row0
-    start = tb * BLOCK_T
+    slot, tb, i, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, BLOCK_T)
     if start >= c:
         return
-    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
     if tb == 0:
         tl.store(KEPT + i * stride_ki + slot, tl.maximum(cnt, 0))
     if cnt <= 0:
@@ -292,7 +306,6 @@ def _snapkv_compress_kernel(
     jj = slot % HP
     lens0 = tl.load(LENS + i * stride_lb + slot)
     bt_row = BT + i.to(tl.int64) * stride_btb + g * stride_btg
-    offs_d = tl.arange(0, D)
     offs_b = tl.arange(0, BLOCK_T)
     if cnt >= c:  # keeps everything: this block's tokens go to positions lens + t
         offs_t = start + offs_b
@@ -302,11 +315,8 @@ def _snapkv_compress_kernel(
         page = tl.load(bt_row + pidx, mask=ok, other=-1)
         ok = ok & (page >= 0)
         dst = page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt
-        rows = (row0 + offs_t).to(tl.int64)
-        k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
-        tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
-        tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
+        _copy_kv_rows(KN, VN, KV, (row0 + offs_t).to(tl.int64), h, dst, ok, ok, stride_knt, stride_knh, stride_vnt,
+                      stride_vnh, stride_kvkv, D)
         return
     # 1. this block's raw SnapKV scores (the window's queries of the head's GQ query heads, one dot)
     offs_t = start + offs_b
@@ -364,14 +374,9 @@ def _snapkv_compress_kernel(
         offs_u = t0 + offs_c
         vt = offs_u < c
         dst_u = tl.load(drow + offs_u, mask=vt, other=-1)
-        rows_u = (row0 + offs_u).to(tl.int64)
-        kk = tl.load(KN + rows_u[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=vt[:, None],
-                     other=0.0)
-        vv = tl.load(VN + rows_u[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=vt[:, None],
-                     other=0.0)
-        okt = dst_u >= 0
-        tl.store(KV + dst_u[:, None] + offs_d[None, :], kk.to(KV.dtype.element_ty), mask=okt[:, None])
-        tl.store(KV + stride_kvkv + dst_u[:, None] + offs_d[None, :], vv.to(KV.dtype.element_ty), mask=okt[:, None])
+        # the loads do not wait on the destinations (masked by the chunk only)
+        _copy_kv_rows(KN, VN, KV, (row0 + offs_u).to(tl.int64), h, dst_u, vt, dst_u >= 0, stride_knt, stride_knh,
+                      stride_vnt, stride_vnh, stride_kvkv, D)
 
 
 @triton.jit(do_not_specialize_on_alignment=["CU", "SLOT2HEAD"])
@@ -384,28 +389,17 @@ def _copy_selected_kernel(
     destination (or -1) was written to ``DST`` by the selecting program of its head, so the copy runs on every
     block at once instead of one program per head (measured on the H100: that serial copy was 15.7 of the 27.4 us
     of a 512-token Llama-3.1-8B chunk, benchmarks/compress_phases.py)."""
-    slot = tl.program_id(0)
-    tb = tl.program_id(1)
-    i = tl.program_id(2)
-    row0 = tl.load(CU + i)
-    c = tl.load(CU + i + 1) - row0
-    start = tb * BLOCK_T
+    slot, tb, i, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, BLOCK_T)
     if start >= c:
         return
-    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
     if (cnt <= 0) | (cnt >= c):  # nothing kept, or everything (copied by the selecting launch): no destinations
         return
     offs_t = start + tl.arange(0, BLOCK_T)
     vt = offs_t < c
     dst = tl.load(DST + i.to(tl.int64) * stride_si + slot * stride_sh + offs_t, mask=vt, other=-1)
     ok = dst >= 0
-    h = tl.load(SLOT2HEAD + slot)
-    offs_d = tl.arange(0, D)
-    rows = (row0 + offs_t).to(tl.int64)
-    k = tl.load(KN + rows[:, None] * stride_knt + h * stride_knh + offs_d[None, :], mask=ok[:, None], other=0.0)
-    v = tl.load(VN + rows[:, None] * stride_vnt + h * stride_vnh + offs_d[None, :], mask=ok[:, None], other=0.0)
-    tl.store(KV + dst[:, None] + offs_d[None, :], k.to(KV.dtype.element_ty), mask=ok[:, None])
-    tl.store(KV + stride_kvkv + dst[:, None] + offs_d[None, :], v.to(KV.dtype.element_ty), mask=ok[:, None])
+    _copy_kv_rows(KN, VN, KV, (row0 + offs_t).to(tl.int64), tl.load(SLOT2HEAD + slot), dst, ok, ok, stride_knt,
+                  stride_knh, stride_vnt, stride_vnh, stride_kvkv, D)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -2,38 +2,22 @@
 logits and greedy tokens of the same turn prefilled from scratch (CPU, float64 reference kernels)."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
 
+from engine_cases import reference_kernels, tiny_cfg, tiny_model  # noqa: F401 (reference_kernels: autouse fixture)
 from tangram.budgets import synthetic_profile
-from tangram.config import EngineConfig, get_model
+from tangram.config import EngineConfig
 from tangram.engine.bench import leak_check
 from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
-from tangram.engine.weights import build_model, random_state_dict
 from tangram.harness.cluster import Cluster
 from tangram.traces.format import Trace, Turn
 
 
-def tiny_cfg():
-    base = get_model("llama-3.1-8b")
-    return dataclasses.replace(base, name="tiny", num_layers=2, hidden=64, intermediate=96, vocab=211, head_dim=16,
-                               num_q_heads=8, num_kv_heads=4, rope_scaling=None, max_context=4096)
-
-
-@pytest.fixture(autouse=True)
-def reference_kernels():
-    from tangram.kernels import cpu_reference
-    with cpu_reference(True):
-        yield
-
-
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = tiny_cfg()
-    return cfg, build_model(cfg, random_state_dict(cfg, seed=11))
+    return tiny_model(11)
 
 
 CHAIN = (("sys", 21), ("doc", 26))  # 47 tokens; C = 16, P = 4
