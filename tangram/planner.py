@@ -145,31 +145,27 @@ class DecodeCosts:
                 raise ConfigError(f"{p}:{e.lineno}: invalid JSON: {e.msg}") from None
             if not isinstance(v, dict):
                 raise ConfigError(f"{p}: expected a JSON object")
-            where = p.name
             by_model = v.get("by_model") or {}
             if not isinstance(by_model, dict):
                 raise ConfigError(f"{p}: by_model must be an object of model name -> costs")
+            field = ""  # where the fields are read: the top level, or the model's own entry
             if model is not None and model in by_model:
-                if not isinstance(by_model[model], dict):
-                    raise ConfigError(f"{p}: by_model.{model} must be an object")
-                v, where = by_model[model], f"{p.name} by_model.{model}"
+                v, field = by_model[model], f"by_model.{model}."
+                if not isinstance(v, dict):
+                    raise ConfigError(f"{p}: {field[:-1]} must be an object")
             names = {f for f in cls.__dataclass_fields__ if f not in cls.OPTIONAL}
             missing = names - set(v)
             if missing:
-                raise ConfigError(f"{p}: missing field(s) {sorted(missing)}" + (f" in by_model.{model}"
-                                                                                 if where != p.name else ""))
-            vals = {}
+                raise ConfigError(f"{p}: missing field(s) {sorted(missing)}" + (f" in {field[:-1]}" if field else ""))
             for k in sorted(names):
                 x = v[k]
                 if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-                    raise ConfigError(f"{p}: {where.split(' ', 1)[-1] + '.' if where != p.name else ''}{k} must be "
-                                      f"a positive number, got {x!r}")
-                vals[k] = float(x)
+                    raise ConfigError(f"{p}: {field}{k} must be a positive number, got {x!r}")
             rm = v.get("rate_model", "capped")
             if rm not in cls.RATE_MODELS:
-                raise ConfigError(f"{p}: rate_model must be one of {list(cls.RATE_MODELS)}, got {rm!r}")
-            return cls(**vals, margin=_fit_margin(v, p), rate_model=rm,
-                       source=f"{where}: {v.get('source', '')}".strip())
+                raise ConfigError(f"{p}: {field}rate_model must be one of {list(cls.RATE_MODELS)}, got {rm!r}")
+            return cls(**{k: float(v[k]) for k in names}, margin=_fit_margin(v, p), rate_model=rm,
+                       source=f"{p.name}{' ' + field[:-1] if field else ''}: {v.get('source', '')}".strip())
         copy = None
         if (d / "meta.json").exists():
             try:
