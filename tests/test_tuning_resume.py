@@ -102,7 +102,9 @@ def _finish(proc, timeout=240):
 
 def test_sqlite_sigkill_and_resume(tmp_path, tiny_trace):
     url = f"sqlite:///{tmp_path / 'study.db'}"
-    study, trials = "resume", 7
+    # enough trials that the worker is still running when two have completed and the poll (an SQLite open, tens of
+    # ms) sees one RUNNING: with 7 fast trials a faster simulator finished the study between polls
+    study, trials = "resume", 25
     for _ in range(3):  # retried only if the kill fell in the few ms between two trials
         w = _worker(tiny_trace, url, study, tmp_path / "out", trials)
         before, killed = _kill_mid_trial(w, url, study)
