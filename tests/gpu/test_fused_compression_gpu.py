@@ -1,7 +1,10 @@
 """The one-launch SnapKV compression on a GPU (marker ``gpu``): its last-arriver selection uses an atomic counter
-and cross-program loads whose memory ordering the CPU interpreter cannot exercise, so here it must give the
-engine's unfused launches' pages bit for bit, on the model shapes, many times over (a race shows as a mismatch),
-with the counters back at zero after every launch."""
+and cross-program loads whose memory ordering the CPU interpreter cannot exercise, so here it must (1) give the
+same pages bit for bit when launched twice on the same inputs (a race shows as a difference), (2) give the
+engine's unfused launches' pages for every head whose selection is not decided by a near-tie (the two paths sum
+the window's probabilities in different orders, so a head whose count-th and next scores are within a few float32
+ulps may keep the other token; measured: such heads are rare and their gap is tiny), on the model shapes, many
+times over, with the counters back at zero after every launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -37,7 +40,10 @@ def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype, copy
 
     H, gq, Hp, d = shape
     P, window, kernel = 16, 32, 7
-    rng = np.random.default_rng(int.from_bytes(__import__("os").urandom(4), "little"))
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print("seed", seed)  # fresh inputs every run; replay a failure with this seed
+    rng = np.random.default_rng(seed)
+    near_ties: list[float] = []
     for trial in range(6):
         cs = [int(x) for x in rng.choice([512, 513, 1000, 2048, 77], size=int(rng.integers(1, 4)))]
         cs = [max(c, window + 1) for c in cs]
@@ -48,15 +54,30 @@ def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype, copy
         _, lse = cmp.prefill_attention_varlen(q, k, v, cu, max(cs), pool, tables, lens, h2s, page_size=P,
                                               heads_per_group=Hp)
         counts = (torch.rand(len(cs), H, device="cuda") * (c_t[:, None] + 8)).to(torch.int32)
-        fused, unfused = pool.clone(), pool.clone()
+        fused, again, unfused = pool.clone(), pool.clone(), pool.clone()
         kept = torch.full((len(cs), H), -7, dtype=torch.int32, device="cuda")
-        cmp.snapkv_compress(q, k, v, lse, cu, max(cs), counts, fused, tables, lens, s2h, page_size=P,
-                            heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept, copy=copy)
+        for out in (fused, again):
+            cmp.snapkv_compress(q, k, v, lse, cu, max(cs), counts, out, tables, lens, s2h, page_size=P,
+                                heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept, copy=copy)
         raw = cmp.snapkv_scores_varlen(q, k, lse, cu, max(cs), h2s, window=window)
         fin = snapkv_finish_batched(raw, cu[1:] - cu[:-1], window, gq, kernel)
         cmp.select_scatter(fin, k, v, cu, max(cs), counts, unfused, tables, lens, s2h, page_size=P,
                            heads_per_group=Hp, pool_kernel=1)
         torch.cuda.synchronize()
         assert torch.equal(kept, torch.minimum(counts, c_t[:, None])), trial
-        assert torch.equal(fused, unfused), (trial, cs)
+        assert torch.equal(fused, again), (trial, cs)  # deterministic: no race between the programs of a head
         assert int(cmp._counters(q.device, H).abs().sum()) == 0
+        if torch.equal(fused, unfused):
+            continue
+        for i, c in enumerate(cs):  # only near-ties at the selection boundary may differ
+            for slot in range(H):
+                pages = tables[i, slot // Hp].long()
+                if torch.equal(fused[pages, :, slot % Hp], unfused[pages, :, slot % Hp]):
+                    continue
+                cnt = int(min(int(counts[i, slot]), c))
+                srt = torch.sort(fin[i, slot, :c].double(), descending=True).values
+                assert 0 < cnt < c, (trial, cs, i, slot, cnt)
+                gap = float((srt[cnt - 1] - srt[cnt]) / srt[cnt - 1].abs().clamp_min(1e-30))
+                assert gap < 1e-5, (trial, cs, i, slot, cnt, gap)
+                near_ties.append(gap)
+    print(f"heads that differ from the unfused launches at a near-tie: {len(near_ties)}, gaps {near_ties}")
