@@ -766,6 +766,14 @@ class Scheduler:
         self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True)
         return out
 
+    def run_admits_nothing(self) -> bool:
+        """Whether the pending run (:meth:`plan_run`) admits no turn at any of its steps whatever joins the queue
+        behind its head while it runs, so a turn added then (``add_request``) leaves every step as planned: the
+        queue's head was blocked (its admission fails the same way at each step, and admission is FCFS), or the
+        batch is at ``max_num_seqs`` (no turn finishes before the run's last step, whose admissions come first)."""
+        r = self._run
+        return r is not None and (r[2] is not None or len(self.running) >= self.engine.max_num_seqs)
+
     def _attempted_at(self, j: int, chunks: list, head, kd: int) -> bool:
         """Whether step ``j``'s admission loop would try the queue's head (its token budget left allows it)."""
         mine = [c for (s, _, c, _) in chunks if s == j]
