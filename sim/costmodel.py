@@ -488,6 +488,8 @@ class CostModel:
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
             n_blocks = -(-int(lens.max(initial=1)) // block_n)
             s = self._static_split(kd * H, max(1, n_blocks))
+            if L > 1 and (lens == lens[:, :1, :1]).all():
+                return self._static_alike(lens[:, 0], s, L), plan_s
             np.divide(by_layer, s, out=size)
             key = ("static", L, kd * H, s)
             reps = None if key in self._launches else np.full((L, kd * H), s, dtype=np.int64)
@@ -503,6 +505,22 @@ class CostModel:
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         launches = L * self.dec_launch  # the fitted intercept of a call includes its merge kernel
         return t + combine + launches, plan_s
+
+    def _static_alike(self, lens0: np.ndarray, s: int, L: int) -> float:
+        """:meth:`_decode_attention` of a static split when every head of every layer holds the same tokens
+        (``lens0`` [kd, H], layer 0's; the full and uniform modes): each layer's launch and sizes are the same, so
+        each layer's wave time is the same float; one layer is priced and its time summed over the L layers as the
+        per-layer times are (bit-identical, L times less work)."""
+        kd, H = lens0.shape
+        size = np.divide(lens0, s).reshape(1, -1)
+        size *= self.tok_head_bytes
+        key = ("static", 1, kd * H, s)
+        launch, n_partials = self._launch(key, None if key in self._launches else np.full((1, kd * H), s,
+                                                                                           dtype=np.int64))
+        per = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
+        t = float(np.full(L, per[0]).sum())
+        combine = L * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
+        return t + combine + L * self.dec_launch
 
     def _launch(self, key, reps: np.ndarray | None) -> tuple:
         """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`) and its CTA count, kept for the

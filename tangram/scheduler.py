@@ -302,9 +302,20 @@ class Scheduler:
         self._counters["preempted"] += 1
         self._events.append(Event(req.rid, "preempted"))
 
+    def _shared_cols(self, units: list) -> np.ndarray:
+        """Per table, the columns below which a row holding ``units`` may share pages with other rows or the
+        prefix cache: a unit's pages and its copy sources (the row's own when it registered the unit). Every page
+        beyond is one the row allocated and nobody else ever took (pins and increfs only reach units' pages)."""
+        if not units:
+            return np.zeros(self.layout.n_tables, dtype=np.int64)
+        out = units[0].stable + units[0].tail_cnt
+        for u in units[1:]:
+            out = np.maximum(out, u.stable + u.tail_cnt)
+        return out
+
     def _release_row(self, req: Request) -> None:
         self._head_tokens -= int(self.head_lens[req.row].sum())
-        self.stats.pages_freed += self.bt.release_row(req.row)
+        self.stats.pages_freed += self.bt.release_row(req.row, self._shared_cols(req.units))
         self.head_lens[req.row] = 0
         self.ctx[req.row] = 0
         if req.units:
@@ -655,7 +666,7 @@ class Scheduler:
         if self.engine.session_cache:
             sess.parked_head_lens = self.head_lens[req.row].copy()
             sess.parked_ctx = int(self.ctx[req.row])
-            sess.parked = self.bt.park(req.row)
+            sess.parked = self.bt.park(req.row, self._shared_cols(req.units))
             sess.parked_units, req.units = req.units, []
             self.head_lens[req.row] = 0
             self.ctx[req.row] = 0
@@ -765,6 +776,14 @@ class Scheduler:
                       self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
         self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True)
         return out
+
+    def run_admits_nothing(self) -> bool:
+        """Whether the pending run (:meth:`plan_run`) admits no turn at any of its steps whatever joins the queue
+        behind its head while it runs, so a turn added then (``add_request``) leaves every step as planned: the
+        queue's head was blocked (its admission fails the same way at each step, and admission is FCFS), or the
+        batch is at ``max_num_seqs`` (no turn finishes before the run's last step, whose admissions come first)."""
+        r = self._run
+        return r is not None and (r[2] is not None or len(self.running) >= self.engine.max_num_seqs)
 
     def _attempted_at(self, j: int, chunks: list, head, kd: int) -> bool:
         """Whether step ``j``'s admission loop would try the queue's head (its token budget left allows it)."""

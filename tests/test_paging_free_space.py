@@ -102,3 +102,35 @@ def test_a_reservation_comes_from_the_emptiest_blocks():
     ids2 = pool.alloc(2 * B + B // 2)  # blocks 6, 7, then half the free pages of block 0
     np.testing.assert_array_equal(ids2[:2 * B], np.arange(6 * B, 8 * B))
     np.testing.assert_array_equal(ids2[2 * B:], np.arange(0, B, 2))
+
+
+def test_a_row_parked_in_two_parts_frees_its_private_pages_and_refuses_shared_ones():
+    """A row parked with ``shared`` columns keeps the pages below them apart from its own; ``ids`` still lists every
+    page table-major, unpark puts each back in its column, and the release frees the private part at once while a
+    shared page below the columns stays with its other holder. A page another row holds (ref 2) or the cache pins
+    is refused by ``release_private`` (checked against hand-made counts, not the pool's own bookkeeping)."""
+    from tangram.config import EngineConfig
+    from tangram.paging import BlockTable, KVLayout
+
+    lay = KVLayout(1, 2, 4, 2, 4, 1, True, np.tile(np.arange(2), (1, 1)))  # 2 tables of 1 head, pages of 4 tokens
+    pool = PagePool(64, lay.page_bytes, check=True)
+    bt = BlockTable(lay, pool, rows=2, cap=16)
+    r = bt.acquire_row()
+    bt.ensure(np.array([r]), np.array([[20, 12]]))  # 5 and 3 pages
+    table = bt.pages[r].copy()
+    want = np.concatenate([table[0, :5], table[1, :3]]).astype(np.int64)
+    pool.incref(table[0, :2])  # another row shares table 0's first two pages
+    parked = bt.park(r, shared=np.array([2, 0]))
+    np.testing.assert_array_equal(parked.ids, want)
+    assert sorted(parked.own.tolist()) == sorted(table[0, 2:5].tolist() + table[1, :3].tolist())
+    r2 = bt.unpark(parked)
+    np.testing.assert_array_equal(bt.pages[r2, :, :5], table[:, :5])
+    with pytest.raises(AssertionError, match="private release"):
+        pool.release_private(table[0, :1])  # held twice
+    pool.pin(table[1, :1], distinct=True)
+    with pytest.raises(AssertionError, match="private release"):
+        pool.release_private(table[1, :1])  # pinned by the cache
+    pool.unpin(table[1, :1], distinct=True)
+    parked = bt.park(r2, shared=np.array([2, 0]))
+    assert bt.free_parked(parked) == 6  # 3 + 3 private; the two shared ones stay with the other row
+    assert pool.n_free == 64 - 2 and pool.ref[table[0, :2]].tolist() == [1, 1]

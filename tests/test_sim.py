@@ -228,6 +228,34 @@ def test_decode_time_is_the_kv_bytes_from_the_model_shape_over_bandwidth(part):
     assert kv_bytes / cm.dec_bw <= t <= 1.25 * kv_bytes / cm.dec_bw + 32 * cm.dec_launch, (t, kv_bytes / cm.dec_bw)
 
 
+@pytest.mark.parametrize("mode", ["full", "uniform"])
+def test_static_decode_of_layer_uniform_lengths_prices_one_layer_bit_for_bit(mode):
+    """Full and uniform modes hold the same tokens on every head of every layer: the cost model prices one layer and
+    sums its time L times. The reference prices every layer with ``wave_time`` (each request x head's CTAs of
+    FlashDecoding's split) and adds the merge and launches: equal bit for bit, on random batches and lengths."""
+    from tangram.planner import flashdecoding_num_splits, wave_time
+
+    cm = _cost(EngineConfig(mode=mode), synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=3))
+    rng = np.random.default_rng(20261125)
+    L, H, d = LLAMA.num_layers, LLAMA.num_kv_heads, LLAMA.head_dim
+    for _ in range(60):
+        kd = int(rng.integers(1, 200))
+        ctx = rng.integers(1, 60000, kd)
+        lens = np.broadcast_to(ctx[:, None, None], (kd, L, H)).copy()
+        s = flashdecoding_num_splits(kd * H, H100.num_sms, max(1, -(-int(ctx.max()) // 128)))
+        size = lens.transpose(1, 0, 2).reshape(L, -1) / s * (2 * d * 2)
+        want = float(wave_time(size, np.full((L, kd * H), s), cm.n_occ, cm.dec_bw, cm.cta_bw).sum()) \
+            + L * kd * H * s * LLAMA.gqa_group * (d + 2) * 4 / cm.dec_bw + L * cm.dec_launch
+        assert cm._decode_attention(lens)[0] == want
+        lens[0, -1, -1] += 1  # one head differs: the per-layer path, the same reference
+        size = lens.transpose(1, 0, 2).reshape(L, -1) / s * (2 * d * 2)
+        s2 = flashdecoding_num_splits(kd * H, H100.num_sms, max(1, -(-int(lens.max()) // 128)))
+        if s2 == s:
+            want = float(wave_time(size, np.full((L, kd * H), s), cm.n_occ, cm.dec_bw, cm.cta_bw).sum()) \
+                + L * kd * H * s * LLAMA.gqa_group * (d + 2) * 4 / cm.dec_bw + L * cm.dec_launch
+            assert cm._decode_attention(lens)[0] == want
+
+
 def _prefill_run(rho: float, seed: int) -> dict:
     eng = EngineConfig(mode="dynamic", rho=rho, chunk_size=512, max_batched_tokens=2048, kv_pool_bytes=2 * 2**30)
     prof = synthetic_profile(SMOL.num_layers, SMOL.num_kv_heads, rho, model=SMOL.name)

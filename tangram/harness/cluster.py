@@ -21,7 +21,9 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   ``Scheduler.plan_run``) goes through the whole run in one event. The run ends at the first finish or completed
   prompt, or before the pool runs short; anything done to the replica from outside while it runs (a turn routed to
   it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
-  step-by-step path. ``fast_forward=False`` is that reference path.
+  step-by-step path. A turn queued behind a run that admits nothing whatever waits (``Scheduler.run_admits_nothing``:
+  the queue's head is blocked, or the batch is full) leaves its steps as they are, and the run goes on (an
+  overloaded replica's arrivals would otherwise cut most runs). ``fast_forward=False`` is that reference path.
 * Running ahead: an executor with ``runs_ahead`` (the engine with ``ExecutorOptions.async_steps``) is driven by
   ``launch`` / ``complete``: while a step runs, the scheduler advances past it and the next step is planned and
   launched; the clock advances by each step's measured duration when it completes (``_steps_ahead``).
@@ -143,7 +145,8 @@ class Cluster:
         self.holder[sid] = rep
         rec.replica = rep.idx
         rec.prefill_tokens = new_tokens
-        self._touch(rep)
+        if not (rep.in_run and rep.sched.run_admits_nothing()):  # else the run's steps are the same with it queued
+            self._touch(rep)
         events = rep.sched.add_request(idx, sid, new_tokens, t.output_tokens, prefix=t.prefix)
         if events:  # rejected at intake
             self._reject_session(idx, events[0].detail, rep)
@@ -163,6 +166,7 @@ class Cluster:
 
     def _reject_session(self, idx: int, reason: str, rep: _Replica) -> None:
         t = self.turns[idx]
+        self._touch(rep)  # its session's resident KV goes: a run in progress stops after this step
         self._mark_rejected(idx, reason)
         for j in self.session_turns[t.session_id]:
             if self.turns[j].turn > t.turn:
