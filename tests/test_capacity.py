@@ -338,3 +338,27 @@ def test_predict_limit_against_a_hand_solved_queue():
     assert predict_limit([(1.0, 0.5), (4.0, 2.0)]) is None  # usage past 1: the limit is below the higher point
     assert predict_limit([(1.0, 0.5), (2.0, 2 / 3)]) == pytest.approx(3.0)
     assert predict_limit([(1.0, 0.5)]) is None and predict_limit([(1.0, 0.5), (2.0, 0.4)]) is None
+
+
+def test_cli_search_reuses_the_run_at_the_trace_load(tmp_path):
+    """An overloaded trace: tangram-sim's run at the trace's load missed the SLO, so the search starts from it (no
+    burst replay), and its bracket ends are replays in the probe table: the lower met, the upper missed, within 8 %.
+    The reused row is that run: same TTFT p99 as the table's."""
+    tr = _overload_trace(n=30, rate=30.0, seed=5)
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    out = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity", "--slo", "ttft_p99=5s")
+    m = json.loads((out / "metrics.json").read_text())["tangram"]
+    kinds = [row[4] for row in m["capacity_probes"]]
+    assert "burst" not in kinds and kinds.count("reused") == 1
+    reused = next(row for row in m["capacity_probes"] if row[4] == "reused")
+    assert reused[2] is False and reused[1] == pytest.approx(m["ttft_p99_s"])
+    assert m["capacity_replays"]["reused"] == 1 and m["capacity_replays"]["probe"] == kinds.count("probe")
+    lo, hi = m["capacity_bracket_rps"]
+    rows = {row[0]: row for row in m["capacity_probes"]}
+    assert rows[lo][2] and not rows[hi][2] and hi <= lo * 1.08 * (1 + 1e-9)
+    # the same bracket's ends, replayed afresh, give the same verdicts
+    slo = parse_slo("ttft_p99=5s")
+    base = m["run"]["offered_rps"]
+    assert meets_slo(simulate(tr.scaled(lo / base), _spec(), record_kv=False)[0], slo)
+    assert not meets_slo(simulate(tr.scaled(hi / base), _spec(), record_kv=False)[0], slo)
