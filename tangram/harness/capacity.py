@@ -62,9 +62,10 @@ def predict_limit(passes: list[tuple[float, float]]) -> float | None:
     return lim if math.isfinite(lim) and lim > s1 else None
 
 
-def _next_scale(lo, hi: float, hi_is_burst: bool, passes, guess, w: float, up: int, down: int) -> float:
+def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, down: int) -> float:
     """Where the next replay goes. ``lo`` / ``hi``: the highest scale met (None: none yet) and the lowest missed
-    (the burst's when ``hi_is_burst``: no real load missed yet); ``w = 1 + tol``; ``guess``: the first guess (only
+    (``hi_far``: the burst's or a reused replay's, the search has not missed yet: an upper bound, not a bisection
+    end, since the load it came from can be far above the limit); ``w = 1 + tol``; ``guess``: the first guess (only
     before any probe); ``up`` / ``down``: met / missed replays in a row.
 
     The search ends when a met scale and a missed one are within ``w``. With a good prediction L of the limit
@@ -84,7 +85,7 @@ def _next_scale(lo, hi: float, hi_is_burst: bool, passes, guess, w: float, up: i
         if guess is not None and guess * w <= hi:
             return guess
         return hi / gallop(down)
-    if hi_is_burst:  # only passes below the burst: up in growing steps, or to the prediction
+    if hi_far:  # only passes below the far miss: up in growing steps, or to the prediction
         x = lo * gallop(up) if lim is None else min(max(lim / math.sqrt(w), lo * w), lo * 2.0)
         return min(x, math.sqrt(lo * hi))
     if hi / lo <= w * w * (1 + 1e-9):  # one more replay ends it, whatever its outcome
@@ -189,24 +190,26 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
     if lo is not None and lo >= hi:  # a known replay met the SLO above one that missed: not monotone here
         lo = None
     up = down = bracketing = refining = 0
+    hi_far = True  # hi is the burst's or a reused replay's until the search itself misses
     while lo is None or hi / lo > w_end:
-        bracketed = lo is not None and hi != burst
+        bracketed = lo is not None and not hi_far
         if bracketed and refining >= iters or not bracketed and bracketing >= 16:
             break
         refining, bracketing = refining + bracketed, bracketing + (not bracketed)
-        s = _next_scale(lo, hi, hi == burst, passes, guess if lo is None and down == 0 else None, w, up, down)
+        s = _next_scale(lo, hi, hi_far, passes, guess if lo is None and down == 0 else None, w, up, down)
         if ok(s):
             lo, up, down = s, up + 1, 0
         else:
-            hi, up, down = s, 0, down + 1
+            hi, hi_far, up, down = s, False, 0, down + 1
     if lo is None:
         return result(None, hi, max_rate_rps=0.0, max_rate_scale=0.0, bracket_rps=[0.0, base * hi],
                       note=f"SLO missed even at {base * hi:.3g} requests/s ({hi:g} x the trace's rate)")
     if hi / lo > w_end:
-        what = "replays past the bracket" if hi != burst else "replays without a miss above the burst's rate"
-        return result(lo, hi, note=f"search stopped after {iters if hi != burst else 16} {what}: the limit lies in "
-                                   f"the bracket (x{hi / lo:.3g} wide)" if hi != burst else
-                                   f"search stopped after 16 {what}: the limit is above {base * lo:.4g} requests/s")
+        if hi == burst:
+            return result(lo, hi, note=f"search stopped after 16 replays without a miss: the limit is above "
+                                       f"{base * lo:.4g} requests/s")
+        return result(lo, hi, note=f"search stopped after {refining + bracketing} replays: the limit lies in the "
+                                   f"bracket (x{hi / lo:.3g} wide)")
     return result(lo, hi)
 
 
