@@ -362,3 +362,28 @@ def test_cli_search_reuses_the_run_at_the_trace_load(tmp_path):
     base = m["run"]["offered_rps"]
     assert meets_slo(simulate(tr.scaled(lo / base), _spec(), record_kv=False)[0], slo)
     assert not meets_slo(simulate(tr.scaled(hi / base), _spec(), record_kv=False)[0], slo)
+
+
+def test_a_flat_slo_key_does_not_hide_the_rising_one():
+    """Two SLO keys: TPOT using 70-80 % of its bound and rising slowly with load (more than TTFT uses below ~0.95 of
+    the limit), TTFT a queue crossing 60 s at the limit. With the guess within 25 % the search still ends in at most
+    4 replays (a model on the largest usage over the keys follows the slow TPOT, predicts a far limit and
+    overshoots), and the prediction from two passes is the TTFT key's."""
+    tr = _line_trace()
+    for limit, err in [(1.9, -0.08), (0.7, 0.2), (5.0, -0.2)]:
+        calls = []
+        ttft = _queue_run(limit, calls, served_rps=limit * (1 + err), unloaded=5.0)
+
+        def run(t):
+            out = ttft(t)
+            out["tpot_p99_s"] = 0.5 * (0.7 + 0.1 * min(calls[-1] / limit, 1.5))
+            return out
+        cap = capacity_search(tr, run, {"ttft_p99": 60.0, "tpot_p99": 0.5})
+        lo, hi = cap["bracket_rps"]
+        assert lo <= limit * (1 + 1e-9) and limit * (1 - 1e-9) < hi <= lo * 1.08 * (1 + 1e-12)
+        assert cap["replays"]["probe"] <= 4, cap["probes"]
+    from tangram.harness.capacity import _predict
+
+    # ttft usage 2 / (5 - s) / ... at s = 1, 2: 0.5, 2/3 -> limit 3 (as in the hand-solved case); tpot flat 0.8
+    assert _predict([(1.0, {"ttft_p99": 0.5, "tpot_p99": 0.8}), (2.0, {"ttft_p99": 2 / 3, "tpot_p99": 0.8})]) \
+        == pytest.approx(3.0)

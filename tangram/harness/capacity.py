@@ -35,12 +35,22 @@ def _probe_row(rate, summ: dict, good: bool, kind: str = "probe") -> list:
     return [rate, p99, bool(good), stopped, kind]
 
 
-def slo_usage(summ: dict, slo: dict[str, float]) -> float | None:
-    """How much of its SLO a run used: the largest measured/bound over the SLO keys (<= 1 when it meets them)."""
-    vals = [summ.get(f"{k}_s") for k in slo]
-    if not vals or any(v is None for v in vals):
+def slo_usage(summ: dict, slo: dict[str, float]) -> dict[str, float] | None:
+    """How much of each SLO bound a run used: {key: measured / bound} (all <= 1 when it meets them)."""
+    vals = {k: summ.get(f"{k}_s") for k in slo}
+    if not vals or any(v is None for v in vals.values()):
         return None
-    return max(float(v) / float(b) for v, b in zip(vals, slo.values()))
+    return {k: float(v) / float(slo[k]) for k, v in vals.items()}
+
+
+def _predict(passes: list[tuple[float, dict | None]]) -> float | None:
+    """The lowest :func:`predict_limit` over the SLO keys: the load at which the first bound is reached. Per key,
+    since a key that is flat at these loads (TPOT while the queue, hence TTFT, grows) says nothing about the limit
+    and a maximum over keys would hide the one that rises."""
+    keys = {k for _, u in passes if u for k in u}
+    lims = [predict_limit([(s, u[k]) for s, u in passes if u and k in u]) for k in sorted(keys)]
+    lims = [x for x in lims if x is not None]
+    return min(lims) if lims else None
 
 
 def predict_limit(passes: list[tuple[float, float]]) -> float | None:
@@ -69,7 +79,7 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
     before any probe); ``up`` / ``down``: met / missed replays in a row.
 
     The search ends when a met scale and a missed one are within ``w``. With a good prediction L of the limit
-    (:func:`predict_limit`) that takes two replays, one met just below L and one missed just above, so a probe aims
+    (:func:`_predict`) that takes two replays, one met just below L and one missed just above, so a probe aims
     at ``L / sqrt(w)`` (a pass, whose SLO usage sharpens the model) and, once the bracket is within ``w^2``, at the
     point of ``[hi / w, lo w]`` (where either outcome ends the search) nearest L. Without a prediction it gallops
     (steps of ``w``, ``w^2``, ``w^4``, ... up to the doubling of the old search) or bisects; a
@@ -80,7 +90,7 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
     def gallop(k: int) -> float:  # the k-th step in a row: w, w^2, w^4, ..., at most the old search's doubling
         return min(w ** min(2 ** max(k - 1, 0), 64), 2.0)
 
-    lim = predict_limit(passes)
+    lim = _predict(passes)
     if lo is None:  # only misses so far: the first guess, then down in growing steps
         if guess is not None and guess * w <= hi:
             return guess
@@ -142,7 +152,7 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
     w_end = w * (1 + 1e-9)  # steps of w from both ends meet within a rounding
     probes: list[list] = []
     cache: dict[float, bool] = {}
-    passes: list[tuple[float, float]] = []
+    passes: list[tuple[float, dict | None]] = []
     served = {"rps": 0.0}
 
     def note(scale: float, summ: dict, kind: str) -> bool:
