@@ -185,10 +185,17 @@ def main(argv=None) -> None:
         out = work / "capacity"
         r = run_cli(me, [str(trace), "--capacity", "--jobs", str(a.jobs), "--no-plots", "--out", str(out)])
         m = _metrics(out)
+        # per mode: the answer, and the replays behind it by kind ("probe": a replay of the whole trace the search
+        # ran, met or missed, some stopped early by the SLO monitor; "burst": the whole trace at once; "reused": the
+        # run at the trace's own load, which tangram-sim does anyway and the search reads instead of a burst)
         r["modes"] = {k: {"max_rate_rps": v.get("max_rate_rps"), "bracket_rps": v.get("capacity_bracket_rps"),
                           "saturated": v.get("capacity_saturated"), "probes": len(v.get("capacity_probes", [])),
-                          "probes_stopped_early": sum(1 for p in v.get("capacity_probes", []) if p[3])}
+                          "probes_stopped_early": sum(1 for p in v.get("capacity_probes", []) if p[3]),
+                          "replays": v.get("capacity_replays"),
+                          "probe_table": v.get("capacity_probes")}
                       for k, v in m.items()}
+        r["replays_total"] = {key: sum((v.get("capacity_replays") or {}).get(key, 0) for v in m.values())
+                              for key in ("probe", "met", "missed", "stopped_early", "burst", "reused")}
         res["capacity"] = r
         print(json.dumps({"capacity": r}), flush=True)
     if "identity" in what:

@@ -48,11 +48,14 @@ class _LayoutOnly:
         self.layout = layout
 
 
-def _mode_capacity(trace, spec, mode: str, slo: dict, target, start: float, fast_forward: bool, progress=None) -> dict:
-    """The capacity search of one mode, then the replicas a target rate needs (simulated clusters)."""
+def _mode_capacity(trace, spec, mode: str, slo: dict, target, at_load: dict | None, fast_forward: bool,
+                   progress=None) -> dict:
+    """The capacity search of one mode, then the replicas a target rate needs (simulated clusters). ``at_load``: the
+    mode's summary at the trace's own load (scale 1), a replay of the whole trace the search reuses."""
     from .run import capacity_search, replicas_needed
 
-    cap = capacity_search(trace, spec, mode, slo, start=start, progress=progress, fast_forward=fast_forward)
+    known = {1.0: at_load} if at_load is not None else None
+    cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known)
     if target is not None:
         per_replica = (cap["max_rate_rps"] or cap.get("lower_bound_rps") or 0.0) / spec.replicas
         first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
@@ -61,28 +64,29 @@ def _mode_capacity(trace, spec, mode: str, slo: dict, target, start: float, fast
     return cap
 
 
-def _start_scale(summ: dict, offered) -> float:
-    """First guess of the capacity search: the load the mode served saturated by the trace as given (2^k/4)."""
-    if not offered or not summ["throughput_rps"]:
-        return 1.0
-    sat = summ["throughput_rps"] / offered
-    return min(1.0, 2.0 ** (round(math.log2(max(sat, 1e-3)) * 4) / 4))
+def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=None):
+    """Each mode's run at the trace's load and, with ``capacity`` = (slo, target), its capacity search, in ``jobs``
+    worker processes: a mode's search starts as soon as its run is done (no barrier between the two phases, so
+    neither worker waits for the other's last run)."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-
-def _pool_map(fn, calls: list[tuple], jobs: int, bar=None) -> list:
-    """``fn(*args)`` for each call, in ``jobs`` worker processes when > 1 (results in call order)."""
-    if jobs <= 1 or len(calls) <= 1:
-        return [fn(*c) for c in calls]
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=min(jobs, len(calls))) as ex:
-        futs = [ex.submit(fn, *c) for c in calls]
-        out = []
-        for f in futs:
-            out.append(f.result())
-            if bar is not None:
-                bar.update(1)
-        return out
+    runs, caps = {}, {}
+    with ProcessPoolExecutor(max_workers=min(jobs, 2 * len(modes))) as ex:
+        todo = {ex.submit(_mode_run, trace, spec, m, ff): ("run", m) for m in modes}
+        while todo:
+            done, _ = wait(todo, return_when=FIRST_COMPLETED)
+            for f in done:
+                kind, m = todo.pop(f)
+                if kind == "run":
+                    runs[m] = f.result()
+                    if capacity is not None:
+                        todo[ex.submit(_mode_capacity, trace, spec, m, capacity[0], capacity[1], runs[m][0],
+                                       ff)] = ("cap", m)
+                else:
+                    caps[m] = f.result()
+                if bar is not None:
+                    bar.update(1)
+    return [runs[m] for m in modes], ([caps[m] for m in modes] if capacity is not None else None)
 
 
 def run(args) -> dict:
@@ -107,9 +111,15 @@ def run(args) -> dict:
     offered = offered_rps(trace) if len(spans) > 1 else None
     total = len(trace.turns) * len(modes)
     metrics, results, frames = {}, {}, []
+    target = spec.target_rate
+    if args.capacity and slo_default:
+        print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
+    caps = None
     if args.jobs > 1 and len(modes) > 1:
-        bar = tqdm(total=len(modes), desc="tangram-sim", unit="mode", disable=None, file=sys.stderr, leave=False)
-        outs = _pool_map(_mode_run, [(trace, spec, m, ff) for m in modes], args.jobs, bar)
+        n = len(modes) * (2 if args.capacity else 1)
+        bar = tqdm(total=n, desc="tangram-sim", unit="task", disable=None, file=sys.stderr, leave=False)
+        outs, caps = _runs_then_searches(trace, spec, modes, ff, (slo, target) if args.capacity else None,
+                                         args.jobs, bar)
     else:
         bar = tqdm(total=total, desc="tangram-sim", unit="req", disable=None if total >= 1000 else True,
                    file=sys.stderr, leave=False)
@@ -121,17 +131,10 @@ def run(args) -> dict:
         frames.append(records_frame(res.records, mode=mode))
     curves = {}
     if args.capacity:
-        target = spec.target_rate
-        if slo_default:
-            print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
-        calls = [(trace, spec, m, slo, target, _start_scale(metrics[m], offered), ff) for m in modes]
-        if args.jobs > 1 and len(modes) > 1:
-            cbar = tqdm(total=len(modes), desc="capacity", unit="mode", disable=None, file=sys.stderr, leave=False)
-            caps = _pool_map(_mode_capacity, calls, args.jobs, cbar)
-        else:
+        if caps is None:
             cbar = tqdm(desc="capacity", unit="sim", disable=None, file=sys.stderr, leave=False)
-            caps = [_mode_capacity(*c, progress=cbar.update) for c in calls]
-        cbar.close()
+            caps = [_mode_capacity(trace, spec, m, slo, target, metrics[m], ff, progress=cbar.update) for m in modes]
+            cbar.close()
         for mode, cap in zip(modes, caps):
             m = metrics[mode]
             m["max_rate_rps"] = cap["max_rate_rps"]
@@ -142,6 +145,7 @@ def run(args) -> dict:
                 if cap.get(k) is not None:
                     m[f"capacity_{k}"] = cap[k]
             m["capacity_probes"] = cap["probes"]
+            m["capacity_replays"] = cap["replays"]
             curves[mode] = [p for p in cap["probes"] if p[0] is not None]
             if "replicas" in cap:
                 rp = cap["replicas"]

@@ -77,9 +77,10 @@ def _capacity_section(metrics: dict, common: dict) -> list[str]:
     the simulated replicas for the target rate, and every probe (a probe stopped early once its SLO verdict was
     certain shows the TTFT p99 of the turns that had arrived, a lower bound)."""
     slo = ", ".join(f"{k} <= {v:g} s" for k, v in (common.get("slo") or {}).items())
-    lines = ["## Capacity under the SLO", "", f"SLO: {slo}. The search doubles/halves the trace's session arrival "
-             "rate until the SLO is met at one load and missed at another, then bisects; the limit lies in the "
-             "bracket [met, missed].", "",
+    lines = ["## Capacity under the SLO", "", f"SLO: {slo}. The search scales the trace's session arrival rate until "
+             "the SLO is met at one load and missed at another, then places replays where a queueing model of the "
+             "passing ones predicts the limit; the limit lies in the bracket [met, missed], two replays of the whole "
+             "trace (docs/simulator.md, \"Capacity search\").", "",
              "| mode | max_rate_rps | bracket (met, missed) rps | saturated | replicas_needed | probes |",
              "|---|---|---|---|---|---|"]
     for mode, m in metrics.items():
@@ -98,7 +99,9 @@ def _capacity_section(metrics: dict, common: dict) -> list[str]:
     for mode, m in metrics.items():
         if "capacity_probes" in m:
             pr = "; ".join(f"{_fmt(p[0]) or 'burst'}: {_fmt(p[1])} {'ok' if p[2] else 'miss'}"
-                           f"{' (stopped)' if len(p) > 3 and p[3] else ''}" for p in m["capacity_probes"])
+                           f"{' (stopped)' if len(p) > 3 and p[3] else ''}"
+                           f"{' (the run at the trace load, reused)' if len(p) > 4 and p[4] == 'reused' else ''}"
+                           for p in m["capacity_probes"])
             lines.append(f"- {mode}: {pr}")
             if m.get("replicas_probes"):
                 rp = "; ".join(f"{p[0]} replicas: {_fmt(p[1])} {'ok' if p[2] else 'miss'}"

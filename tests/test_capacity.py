@@ -210,3 +210,180 @@ def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
     out = ev(paper_default_params())
     assert out["saturated"] is False and out["load_rps"] > 0 and "too small" in out["capacity_note"]
     assert out["sims"] == 1
+
+
+# --- the search's logic with fake replays: a known limit, a queueing-like SLO usage, noise, reused replays ---
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from tangram.harness.capacity import predict_limit  # noqa: E402
+
+
+def _queue_run(limit_rps: float, calls: list, *, served_rps: float | None = None, bound: float = 60.0,
+               unloaded: float = 0.0, noise=None, flip=None):
+    """A replay whose TTFT p99 grows like a queue's wait, ``unloaded + c / (mu - rate)``, with mu and c such that it
+    crosses ``bound`` exactly at ``limit_rps``; infinite from mu on. ``served_rps``: what an overloaded replay
+    reports as its throughput (default: mu). ``noise(rate)`` multiplies the p99; ``flip(rate)`` -> True inverts
+    the verdict (a non-monotone replay)."""
+    mu = limit_rps * 1.04
+    c = (bound - unloaded) * (mu - limit_rps)
+    served = mu if served_rps is None else served_rps
+
+    def run(trace):
+        arr = [t.arrival_s for t in trace.turns if t.turn == 0]
+        rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+        calls.append(rate)
+        p99 = unloaded + c / (mu - rate) if rate < mu else 1e9
+        if noise is not None:
+            p99 *= noise(rate)
+        if flip is not None and flip(rate):
+            p99 = bound / 2 if p99 > bound else bound * 2
+        out = {"ttft_p99_s": p99, "completed": 10, "rejected_reasons": {}, "throughput_rps": min(rate, served)}
+        if p99 > bound:
+            out.update(stopped_early="certain", ttft_p99_at_stop_s=bound * 1.01)
+        return out
+    return run
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.floats(0.05, 50.0), served=st.floats(0.3, 3.0), unloaded=st.floats(0.0, 30.0),
+       tol=st.sampled_from([0.02, 0.05, 0.08, 0.2]))
+def test_bracket_holds_a_known_limit_from_any_guess(limit, served, unloaded, tol):
+    """Monotone replays: the bracket [met, missed] holds the limit, is within 1 + tol, both ends are replays that
+    met / missed, and every probe below the limit met while every one above missed."""
+    tr = _line_trace()
+    calls = []
+    cap = capacity_search(tr, _queue_run(limit, calls, served_rps=served * limit, unloaded=unloaded),
+                          {"ttft_p99": 60.0}, tol=tol, iters=30)
+    lo, hi = cap["bracket_rps"]
+    assert cap["saturated"] and cap.get("note") is None
+    eps = 1e-9  # the fake's p99 at the limit itself is 60 s give or take a rounding
+    assert lo <= limit * (1 + eps) and limit * (1 - eps) < hi and hi <= lo * (1 + tol) * (1 + 1e-12)
+    rows = {p[0]: p for p in cap["probes"] if p[0] is not None}
+    assert rows[lo][2] and not rows[hi][2]
+    assert all(p[2] == (p[0] <= limit) for p in rows.values() if abs(p[0] / limit - 1) > eps)
+    assert cap["replays"]["probe"] == len(calls) - 1 and cap["replays"]["burst"] == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(limit=st.floats(0.1, 20.0), err=st.floats(-0.25, 0.25))
+def test_few_replays_when_the_first_guess_is_near(limit, err):
+    """With the guess (the saturated replay's served rate) within 25 % of the limit and a queue-like p99, the
+    search ends in at most 4 replays past the burst; the doubling-and-bisection search it replaced took 6-7 on the
+    same kind of curve (the bound is what the model and the w-steps buy; a plain bisection fails it)."""
+    tr = _line_trace()
+    calls = []
+    cap = capacity_search(tr, _queue_run(limit, calls, served_rps=limit * (1 + err), unloaded=5.0),
+                          {"ttft_p99": 60.0}, tol=0.08)
+    lo, hi = cap["bracket_rps"]
+    assert lo <= limit * (1 + 1e-9) and limit * (1 - 1e-9) < hi <= lo * 1.08 * (1 + 1e-12)
+    assert cap["replays"]["probe"] <= 4, cap["probes"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(limit=st.floats(0.1, 20.0), seed=st.integers(0, 2**32 - 1), flip_p=st.floats(0.0, 0.4))
+def test_noisy_non_monotone_replays_still_end_with_a_real_bracket(limit, seed, flip_p):
+    """Replays whose verdict flips at random (a non-monotone, noisy deployment): the search still ends, within its
+    replay budget, and what it reports is what it saw: the lower end a replay that met the SLO, the upper end one
+    that missed, and hi within 1 + tol of lo unless it says it stopped early."""
+    rng = np.random.default_rng(seed)
+    tr = _line_trace()
+    calls = []
+    cap = capacity_search(tr, _queue_run(limit, calls, noise=lambda r: float(rng.uniform(0.7, 1.3)),
+                                         flip=lambda r: bool(rng.random() < flip_p)),
+                          {"ttft_p99": 60.0}, tol=0.08, iters=7)
+    assert len(calls) <= 1 + 16 + 7
+    if not cap["saturated"]:  # the burst itself came out met
+        assert len(calls) == 1 and "too small to saturate" in cap["note"]
+        return
+    lo, hi = cap["bracket_rps"]
+    rows = {p[0]: p for p in cap["probes"] if p[0] is not None}
+    if lo:
+        assert rows[lo][2]
+    if hi is not None:
+        assert not rows[hi][2] and hi > lo
+    if cap.get("note") is None:
+        assert lo > 0 and hi <= lo * 1.08 * (1 + 1e-12)
+
+
+def test_a_reused_replay_that_missed_replaces_the_burst():
+    """tangram-sim passes its run at the trace's own load: when that missed the SLO the trace saturates the
+    deployment (no burst replay) and its served rate is the first guess; when it met it, it is a met end."""
+    tr = _line_trace()
+    base = 20 / 19
+    calls = []
+    run = _queue_run(0.4 * base, calls, served_rps=0.42 * base)
+    at_load = run(tr)  # offered rate: above the limit, missed
+    calls.clear()
+    cap = capacity_search(tr, run, {"ttft_p99": 60.0}, known={1.0: at_load})
+    assert all(c < 1e6 for c in calls)  # no burst
+    assert calls[0] == pytest.approx(0.42 * base)  # the served rate first
+    kinds = {p[4] for p in cap["probes"]}
+    assert kinds == {"reused", "probe"} and cap["replays"]["reused"] == 1 and cap["replays"]["burst"] == 0
+    lo, hi = cap["bracket_rps"]
+    assert lo <= 0.4 * base < hi
+    calls2 = []
+    run2 = _queue_run(3.0 * base, calls2)
+    met = run2(tr)
+    calls2.clear()
+    cap2 = capacity_search(tr, run2, {"ttft_p99": 60.0}, known={1.0: met})
+    assert calls2[0] > 1e6  # nothing missed yet: the burst says whether the trace saturates at all
+    lo2, hi2 = cap2["bracket_rps"]
+    assert 1.0 * base <= lo2 <= 3.0 * base < hi2
+
+
+def test_predict_limit_against_a_hand_solved_queue():
+    """usage = 2 / (5 - s): at s = 1 and 3 it is 0.5 and 1.0 ... the model through (1, 0.5) and (4, 2) gives
+    mu = 5 and the limit where 2 / (5 - s) = 1: s = 3 (by hand)."""
+    assert predict_limit([(1.0, 0.5), (4.0, 2.0)]) is None  # usage past 1: the limit is below the higher point
+    assert predict_limit([(1.0, 0.5), (2.0, 2 / 3)]) == pytest.approx(3.0)
+    assert predict_limit([(1.0, 0.5)]) is None and predict_limit([(1.0, 0.5), (2.0, 0.4)]) is None
+
+
+def test_cli_search_reuses_the_run_at_the_trace_load(tmp_path):
+    """An overloaded trace: tangram-sim's run at the trace's load missed the SLO, so the search starts from it (no
+    burst replay), and its bracket ends are replays in the probe table: the lower met, the upper missed, within 8 %.
+    The reused row is that run: same TTFT p99 as the table's."""
+    tr = _overload_trace(n=30, rate=30.0, seed=5)
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    out = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity", "--slo", "ttft_p99=5s")
+    m = json.loads((out / "metrics.json").read_text())["tangram"]
+    kinds = [row[4] for row in m["capacity_probes"]]
+    assert "burst" not in kinds and kinds.count("reused") == 1
+    reused = next(row for row in m["capacity_probes"] if row[4] == "reused")
+    assert reused[2] is False and reused[1] == pytest.approx(m["ttft_p99_s"])
+    assert m["capacity_replays"]["reused"] == 1 and m["capacity_replays"]["probe"] == kinds.count("probe")
+    lo, hi = m["capacity_bracket_rps"]
+    rows = {row[0]: row for row in m["capacity_probes"]}
+    assert rows[lo][2] and not rows[hi][2] and hi <= lo * 1.08 * (1 + 1e-9)
+    # the same bracket's ends, replayed afresh, give the same verdicts
+    slo = parse_slo("ttft_p99=5s")
+    base = m["run"]["offered_rps"]
+    assert meets_slo(simulate(tr.scaled(lo / base), _spec(), record_kv=False)[0], slo)
+    assert not meets_slo(simulate(tr.scaled(hi / base), _spec(), record_kv=False)[0], slo)
+
+
+def test_a_flat_slo_key_does_not_hide_the_rising_one():
+    """Two SLO keys: TPOT using 70-80 % of its bound and rising slowly with load (more than TTFT uses below ~0.95 of
+    the limit), TTFT a queue crossing 60 s at the limit. With the guess within 25 % the search still ends in at most
+    4 replays (a model on the largest usage over the keys follows the slow TPOT, predicts a far limit and
+    overshoots), and the prediction from two passes is the TTFT key's."""
+    tr = _line_trace()
+    for limit, err in [(1.9, -0.08), (0.7, 0.2), (5.0, -0.2)]:
+        calls = []
+        ttft = _queue_run(limit, calls, served_rps=limit * (1 + err), unloaded=5.0)
+
+        def run(t):
+            out = ttft(t)
+            out["tpot_p99_s"] = 0.5 * (0.7 + 0.1 * min(calls[-1] / limit, 1.5))
+            return out
+        cap = capacity_search(tr, run, {"ttft_p99": 60.0, "tpot_p99": 0.5})
+        lo, hi = cap["bracket_rps"]
+        assert lo <= limit * (1 + 1e-9) and limit * (1 - 1e-9) < hi <= lo * 1.08 * (1 + 1e-12)
+        assert cap["replays"]["probe"] <= 4, cap["probes"]
+    from tangram.harness.capacity import _predict
+
+    # ttft usage 2 / (5 - s) / ... at s = 1, 2: 0.5, 2/3 -> limit 3 (as in the hand-solved case); tpot flat 0.8
+    assert _predict([(1.0, {"ttft_p99": 0.5, "tpot_p99": 0.8}), (2.0, {"ttft_p99": 2 / 3, "tpot_p99": 0.8})]) \
+        == pytest.approx(3.0)

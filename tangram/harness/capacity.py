@@ -25,31 +25,114 @@ def offered_rps(trace) -> float:
     return len(trace.turns) / span
 
 
-def _probe_row(rate: float, summ: dict, good: bool) -> list:
-    """One probe as reported: [offered rps, TTFT p99 (s), meets the SLO, stopped early]. A probe stopped early
-    reports the TTFT p99 of the turns that had arrived, the waiting ones at their wait so far (a lower bound)."""
+def _probe_row(rate, summ: dict, good: bool, kind: str = "probe") -> list:
+    """One probe as reported: [offered rps, TTFT p99 (s), meets the SLO, stopped early, kind]. A probe stopped early
+    reports the TTFT p99 of the turns that had arrived, the waiting ones at their wait so far (a lower bound).
+    ``kind``: "probe" (a replay of the whole trace run by the search), "burst" (the whole trace at once) or "reused"
+    (a replay of the whole trace the caller had already run, e.g. tangram-sim's run at the trace's own load)."""
     stopped = bool(summ.get("stopped_early"))
     p99 = summ.get("ttft_p99_at_stop_s") if stopped else summ.get("ttft_p99_s")
-    return [rate, p99, bool(good), stopped]
+    return [rate, p99, bool(good), stopped, kind]
+
+
+def slo_usage(summ: dict, slo: dict[str, float]) -> dict[str, float] | None:
+    """How much of each SLO bound a run used: {key: measured / bound} (all <= 1 when it meets them)."""
+    vals = {k: summ.get(f"{k}_s") for k in slo}
+    if not vals or any(v is None for v in vals.values()):
+        return None
+    return {k: float(v) / float(slo[k]) for k, v in vals.items()}
+
+
+def _predict(passes: list[tuple[float, dict | None]]) -> float | None:
+    """The lowest :func:`predict_limit` over the SLO keys: the load at which the first bound is reached. Per key,
+    since a key that is flat at these loads (TPOT while the queue, hence TTFT, grows) says nothing about the limit
+    and a maximum over keys would hide the one that rises."""
+    keys = {k for _, u in passes if u for k in u}
+    lims = [predict_limit([(s, u[k]) for s, u in passes if u and k in u]) for k in sorted(keys)]
+    lims = [x for x in lims if x is not None]
+    return min(lims) if lims else None
+
+
+def predict_limit(passes: list[tuple[float, float]]) -> float | None:
+    """Scale at which the SLO usage reaches 1, from the two highest-load passing probes ``(scale, usage)``.
+
+    Queueing delay near saturation grows like ``1 / (mu - s)`` (mu: the load the deployment sustains), so the model
+    ``usage = b / (mu - s)`` through the two points gives mu and b, and the limit ``mu - b``. Only a guess of where
+    to probe next: the answer is always a bracket of two replays (one met, one missed). None when the two points do
+    not rise with load (the model has no finite mu above them).
+    """
+    pts = sorted(p for p in passes if p[1] is not None and p[1] > 0)
+    if len(pts) < 2:
+        return None
+    (s0, u0), (s1, u1) = pts[-2], pts[-1]
+    if not (u1 > u0 and s1 > s0):
+        return None
+    mu = (u1 * s1 - u0 * s0) / (u1 - u0)
+    lim = mu - u1 * (mu - s1)
+    return lim if math.isfinite(lim) and lim > s1 else None
+
+
+def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, down: int) -> float:
+    """Where the next replay goes. ``lo`` / ``hi``: the highest scale met (None: none yet) and the lowest missed
+    (``hi_far``: the burst's or a reused replay's, the search has not missed yet: an upper bound, not a bisection
+    end, since the load it came from can be far above the limit); ``w = 1 + tol``; ``guess``: the first guess (only
+    before any probe); ``up`` / ``down``: met / missed replays in a row.
+
+    The search ends when a met scale and a missed one are within ``w``. With a good prediction L of the limit
+    (:func:`_predict`) that takes two replays, one met just below L and one missed just above, so a probe aims
+    at ``L / sqrt(w)`` (a pass, whose SLO usage sharpens the model) and, once the bracket is within ``w^2``, at the
+    point of ``[hi / w, lo w]`` (where either outcome ends the search) nearest L. Without a prediction it gallops
+    (steps of ``w``, ``w^2``, ``w^4``, ... up to the doubling of the old search) or bisects; a
+    prediction more than twice the highest met load is not followed further than that. Model-placed probes stay in the middle half
+    of the bracket's log-width (a wrong model still shrinks it) and at least ``w`` from its ends, so the search
+    always ends.
+    """
+    def gallop(k: int) -> float:  # the k-th step in a row: w, w^2, w^4, ..., at most the old search's doubling
+        return min(w ** min(2 ** max(k - 1, 0), 64), 2.0)
+
+    lim = _predict(passes)
+    if lo is None:  # only misses so far: the first guess, then down in growing steps
+        if guess is not None and guess * w <= hi:
+            return guess
+        return hi / gallop(down)
+    if hi_far:  # only passes below the far miss: up in growing steps, or to the prediction
+        x = lo * gallop(up) if lim is None else min(max(lim / math.sqrt(w), lo * w), lo * 2.0)
+        return min(x, math.sqrt(lo * hi))
+    if hi / lo <= w * w * (1 + 1e-9):  # one more replay ends it, whatever its outcome
+        return min(max(lim, hi / w), lo * w) if lim is not None else math.sqrt(lo * hi)
+    if lim is None:
+        return math.sqrt(lo * hi)
+    band = (lo ** 0.75 * hi ** 0.25, lo ** 0.25 * hi ** 0.75)  # keep shrinking the bracket if the model is off
+    return min(max(lim / math.sqrt(w), lo * w, band[0]), hi / w, band[1])
 
 
 def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float], *, iters: int = 7,
-                    tol: float = 0.08, start: float = 1.0, progress=None) -> dict:
-    """Highest arrival-rate scale meeting the SLO: the whole trace at once first, then bracket by doubling/halving
-    from a first guess, then log-bisection.
+                    tol: float = 0.08, start: float = 1.0, progress=None, known: dict | None = None) -> dict:
+    """Highest arrival-rate scale meeting the SLO, as a bracket of two replays of the whole trace: one at a scale
+    that met the SLO and one, at most ``1 + tol`` times higher, that missed it.
 
-    ``run(scaled_trace)`` replays one load and returns its summary. The burst probe (every session arriving within
-    :data:`BURST_SPAN_S`) answers two questions: if it meets the SLO the trace is too small to saturate the
-    deployment (no load it can offer finds the limit); if not, the rate it was served at (the saturation
-    throughput, read from a probe that an SLO monitor may have stopped early) is the first guess of the limit.
-    ``start`` (a scale) is the guess when the burst served nothing. The bracket search makes the result
-    independent of the guess up to the bisection tolerance.
+    ``run(scaled_trace)`` replays one load and returns its summary. ``known``: {scale: summary} of replays of the
+    whole trace already run by the caller (tangram-sim's run at the trace's own load, scale 1), used as probes
+    (marked "reused").
 
-    Returns ``max_rate_rps`` / ``max_rate_scale`` (the highest load that met the SLO), ``bracket_rps`` (that load
-    and the lowest that missed it: the true limit lies between), ``probes`` (:func:`_probe_row`, by rate; the
-    burst has rate None) and ``saturated``. A trace too small to saturate has ``saturated`` False,
-    ``max_rate_rps`` None and ``lower_bound_rps`` the rate the burst was served at within the SLO. ``note`` says
-    why when there is no plain answer.
+    1. Saturation. If no replay has missed the SLO yet, the burst probe (every session arriving within
+       :data:`BURST_SPAN_S`) does: if even that meets the SLO the trace is too small to saturate the deployment (no
+       load it can offer finds the limit). A known replay that missed answers the question without a burst.
+    2. The first guess: the rate the missed replay (the burst, or the known one) was served at, its saturation
+       throughput; ``start`` (a scale) when it served nothing.
+    3. Every next replay comes from :func:`_next_scale`: up or down in growing steps until one load meets and
+       another misses, then a model of the SLO usage of the passing replays near saturation (:func:`predict_limit`)
+       places the probes so that the last two straddle the limit within ``1 + tol``, bisection where there is no
+       model. The model only decides where to look; the answer is always two replays of the whole trace, so a
+       wrong model costs replays, never accuracy.
+
+    ``iters`` bounds the replays once the limit is bracketed (16 bound the bracketing). Returns ``max_rate_rps`` /
+    ``max_rate_scale`` (the highest load that met the SLO), ``bracket_rps`` (that load and the lowest that missed it:
+    the true limit lies between), ``probes`` (:func:`_probe_row`, by rate; the burst has rate None), ``replays``
+    (the replays the search ran by kind: ``probe`` met / missed, ``stopped_early``, ``burst``, ``reused``) and
+    ``saturated``. A trace too small to saturate has ``saturated`` False, ``max_rate_rps`` None and
+    ``lower_bound_rps`` the rate the burst was served at within the SLO. ``note`` says why when there is no plain
+    answer.
     """
     arr = [t.arrival_s for t in trace.turns if t.turn == 0]
     span = max(arr) - min(arr)
@@ -59,25 +142,35 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
         if progress:
             progress(1)
         return {"max_rate_rps": None, "max_rate_scale": None, "bracket_rps": [None, None], "offered_rps": None,
-                "probes": [_probe_row(None, summ, good)], "saturated": not good, "lower_bound_rps": None,
+                "probes": [_probe_row(None, summ, good, "burst")], "saturated": not good, "lower_bound_rps": None,
+                "replays": _count([_probe_row(None, summ, good, "burst")]),
                 "note": f"every session of the trace arrives at t = {arr[0]:g} s: no arrival rate to scale; as one "
                         f"burst it {'meets' if good else 'misses'} the SLO"}
     base = len(trace.turns) / span
     burst = span / BURST_SPAN_S
+    w = 1.0 + tol
+    w_end = w * (1 + 1e-9)  # steps of w from both ends meet within a rounding
     probes: list[list] = []
     cache: dict[float, bool] = {}
+    passes: list[tuple[float, dict | None]] = []
+    served = {"rps": 0.0}
+
+    def note(scale: float, summ: dict, kind: str) -> bool:
+        good = meets_slo(summ, slo)
+        probes.append(_probe_row(base * scale if kind != "burst" else None, summ, good, kind))
+        cache[scale] = good
+        if good and kind != "burst":
+            passes.append((scale, slo_usage(summ, slo)))
+        if kind == "burst" or kind == "reused" and not good:  # the rate a saturated replay was served at
+            served["rps"] = summ.get("throughput_rps") or served["rps"]
+        return good
 
     def ok(scale: float) -> bool:
         if scale in cache:
             return cache[scale]
-        summ = run(trace.scaled(scale))
-        good = meets_slo(summ, slo)
-        probes.append(_probe_row(base * scale if scale != burst else None, summ, good))
-        cache[scale] = good
+        good = note(scale, run(trace.scaled(scale)), "burst" if scale == burst else "probe")
         if progress:
             progress(1)
-        if scale == burst:
-            served["rps"] = summ.get("throughput_rps") or 0.0
         return good
 
     def result(lo, hi, **kw) -> dict:
@@ -85,42 +178,57 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
                "max_rate_scale": lo, "bracket_rps": [base * lo if lo is not None else 0.0,
                                                      base * hi if hi is not None and hi != burst else None],
                "probes": sorted(probes, key=lambda p: (p[0] is None, p[0] or 0.0)), "saturated": True,
-               "offered_rps": base}
+               "offered_rps": base, "replays": _count(probes)}
         out.update(kw)
         return out
 
-    served = {"rps": 0.0}
-    if ok(burst):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
-        return result(None, None, saturated=False, lower_bound_rps=served["rps"] or None, max_rate_scale=None,
-                      bracket_rps=[served["rps"] or None, None],
-                      note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once meet the "
-                           f"SLO (served at {served['rps']:.4g} requests/s), so the capacity is above any rate this "
-                           f"trace offers (a longer trace finds it)")
-    lo, hi = None, burst
-    s = served["rps"] / base if served["rps"] > 0 else (float(start) if start > 0 else 1.0)
-    for _ in range(16):  # double (or halve) until the SLO is met at one scale and missed at another
-        if ok(s):
-            lo = s
-        else:
-            hi = min(hi, s)
-        if lo is not None and hi <= 2 * lo:
+    for s, summ in sorted((known or {}).items()):
+        if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0):
+            raise ConfigError(f"capacity search: known replay at scale {s!r}: expected a finite scale > 0")
+        note(float(s), summ, "reused")
+    lo = max((s for s, g in cache.items() if g), default=None)
+    hi = min((s for s, g in cache.items() if not g), default=None)
+    if hi is None:
+        if ok(burst):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
+            return result(None, None, saturated=False, lower_bound_rps=served["rps"] or None, max_rate_scale=None,
+                          max_rate_rps=None, bracket_rps=[served["rps"] or None, None],
+                          note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once meet "
+                               f"the SLO (served at {served['rps']:.4g} requests/s), so the capacity is above any "
+                               f"rate this trace offers (a longer trace finds it)")
+        hi = burst
+    guess = served["rps"] / base if served["rps"] > 0 else (float(start) if start > 0 else 1.0)
+    if lo is not None and lo >= hi:  # a known replay met the SLO above one that missed: not monotone here
+        lo = None
+    up = down = bracketing = refining = 0
+    hi_far = True  # hi is the burst's or a reused replay's until the search itself misses
+    while lo is None or hi / lo > w_end:
+        bracketed = lo is not None and not hi_far
+        if bracketed and refining >= iters or not bracketed and bracketing >= 16:
             break
-        s = lo * 2.0 if lo is not None else s / 2.0
+        refining, bracketing = refining + bracketed, bracketing + (not bracketed)
+        s = _next_scale(lo, hi, hi_far, passes, guess if lo is None and down == 0 else None, w, up, down)
+        if ok(s):
+            lo, up, down = s, up + 1, 0
+        else:
+            hi, hi_far, up, down = s, False, 0, down + 1
     if lo is None:
         return result(None, hi, max_rate_rps=0.0, max_rate_scale=0.0, bracket_rps=[0.0, base * hi],
                       note=f"SLO missed even at {base * hi:.3g} requests/s ({hi:g} x the trace's rate)")
-    for _ in range(iters):
-        if hi / lo <= 1 + tol:
-            break
-        mid = math.sqrt(lo * hi)
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    if hi / lo > 1 + tol:
-        return result(lo, hi, note=f"bisection stopped after {iters} halvings: the limit lies in the bracket "
-                                   f"(x{hi / lo:.3g} wide)")
+    if hi / lo > w_end:
+        if hi == burst:
+            return result(lo, hi, note=f"search stopped after 16 replays without a miss: the limit is above "
+                                       f"{base * lo:.4g} requests/s")
+        return result(lo, hi, note=f"search stopped after {refining + bracketing} replays: the limit lies in the "
+                                   f"bracket (x{hi / lo:.3g} wide)")
     return result(lo, hi)
+
+
+def _count(probes: list[list]) -> dict:
+    """The replays of a search by kind (tangram-sim's metrics.json, benchmarks/sim_speed.py)."""
+    run = [p for p in probes if p[4] == "probe"]
+    return {"probe": len(run), "met": sum(1 for p in run if p[2]), "missed": sum(1 for p in run if not p[2]),
+            "stopped_early": sum(1 for p in run if p[3]), "burst": sum(1 for p in probes if p[4] == "burst"),
+            "reused": sum(1 for p in probes if p[4] == "reused")}
 
 
 def replicas_search(trace, run_replicas: Callable[[object, int], dict], slo: dict[str, float],
