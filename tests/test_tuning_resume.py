@@ -180,3 +180,25 @@ def test_stale_trial_failed_even_when_study_already_complete(tmp_path, tiny_trac
     ts = {t.number: t for t in _trials(url, "stale")}
     assert ts[killed].state == TrialState.FAIL
     assert sum(t.state == TrialState.COMPLETE for t in ts.values()) == len(before)
+
+
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_and_retried(tmp_path):
+    """A worker killed between creating a trial and its first heartbeat leaves a RUNNING trial without a heartbeat
+    row; Optuna's stale check skips it, so fail_stale must fail it (and enqueue its retry) once the grace period
+    has passed, and leave a trial with a fresh heartbeat alone."""
+    import optuna
+    from optuna.trial import TrialState
+    from tangram.tuning.study import fail_stale, make_storage
+
+    storage = make_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_s=1, grace_s=2)
+    study = optuna.create_study(storage=storage, study_name="orphan")
+    orphan = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})  # RUNNING, no heartbeat recorded
+    alive = study.ask({"x": optuna.distributions.FloatDistribution(0, 1)})
+    assert fail_stale(study) == []  # within the grace period: nothing failed
+    time.sleep(2.5)
+    storage.record_heartbeat(alive._trial_id)  # a live worker's trial
+    assert fail_stale(study) == [orphan.number]
+    ts = {t.number: t for t in study.get_trials(deepcopy=False)}
+    assert ts[orphan.number].state == TrialState.FAIL and ts[alive.number].state == TrialState.RUNNING
+    retries = [t for t in ts.values() if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retries) == 1 and retries[0].state == TrialState.WAITING and retries[0].params == orphan.params

@@ -211,8 +211,52 @@ def fail_stale(study) -> list[int]:
 
     before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     optuna.storages.fail_stale_trials(study)
+    _fail_orphans(study)
     after = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     return sorted(before - after)
+
+
+def _fail_orphans(study) -> None:
+    """FAIL (and retry) RUNNING trials that never recorded a heartbeat and started over a grace period ago.
+
+    A worker killed between creating a trial and its first heartbeat leaves a RUNNING trial with no heartbeat
+    row, which Optuna's stale check skips (``RDBStorage._get_stale_trial_ids``): it stayed RUNNING forever (seen
+    as a flaky kill-and-resume test). Reads the heartbeat table through Optuna's RDB models: there is no public API
+    for "no heartbeat yet"."""
+    from datetime import datetime
+
+    import optuna
+    from optuna.storages._rdb import models
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    rdb = getattr(storage, "_backend", storage)
+    interval = rdb.get_heartbeat_interval() if hasattr(rdb, "get_heartbeat_interval") else None
+    if interval is None or not hasattr(rdb, "scoped_session"):
+        return
+    grace_s = float(rdb.grace_period if rdb.grace_period is not None else 2 * interval)
+    session = rdb.scoped_session()
+    try:
+        now = datetime.now()  # Optuna stamps datetime_start with the worker's datetime.now()
+        rows = (session.query(models.TrialModel)
+                .filter(models.TrialModel.state == TrialState.RUNNING)
+                .filter(models.TrialModel.study_id == study._study_id)
+                .filter(~models.TrialModel.heartbeats.any()).all())
+        ids = [r.trial_id for r in rows
+               if r.datetime_start is not None and (now - r.datetime_start).total_seconds() > grace_s]
+    finally:
+        session.close()
+    failed = []
+    for tid in ids:
+        try:
+            if storage.set_trial_state_values(tid, state=TrialState.FAIL):
+                failed.append(tid)
+        except optuna.exceptions.UpdateFinishedTrialError:  # another process finished or failed it
+            pass
+    callback = rdb.get_heartbeat_stale_trial_callback()
+    if callback is not None:
+        for tid in failed:
+            callback(study, storage.get_trial(tid))
 
 
 def meets_accuracy(t, floor: float | None) -> bool:
