@@ -9,12 +9,20 @@ to ``--steps-csv`` with the cost model's per-term kernel prediction (``pred_<ter
 term that is off shows itself: regress the measured seconds of one kind of step on those columns. ``--configs``
 runs config files (the ``tangram-sim --config`` format) instead of ``--modes``, so the fit sees the H_p, chunk
 sizes and split maps a tuner will price. Use a trace other than the one you validate on.
+
+``--plans FILE`` also keeps every step's plan with its measured seconds (gzip'd pickle); ``python -m
+tangram.sim.fit_engine --refit FILE`` then re-prices those plans with the current cost model and fits again, on
+any machine without a GPU: a change of the simulator's pricing gets its overhead refit from the same engine
+measurements instead of a new device call (the measured seconds do not depend on the simulator).
 """
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import os
+import pickle
 import platform
+import sys
 from pathlib import Path
 
 
@@ -26,11 +34,25 @@ from . import engine_overhead
 from .costmodel import HOST_TERMS, CostModel, CostParams
 
 
-class StepRecorder:
-    """Wraps an executor: runs the step on it, prices the same plan with the kernel-only cost model, records both."""
+PLANS_VERSION = 1
 
-    def __init__(self, exe, cost_model: CostModel, label: str, rows: list):
-        self._exe, self._cm, self._label, self._rows = exe, cost_model, label, rows
+
+def step_row(label: str, cm: CostModel, plan, pred, measured_s: float, graphed: bool, meas_ops: dict) -> dict:
+    """One recorded step: the kernel-only prediction ``pred`` of ``plan`` next to the engine's seconds."""
+    kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in HOST_TERMS + ("engine_overhead",))
+    return {"mode": label, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
+            "tokens": plan.num_tokens, "compress": cm.compress, "aot": cm.partition == "aot", "graphed": graphed,
+            "hp": cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": measured_s,
+            **{f"pred_{k}": v for k, v in pred.breakdown.items() if k not in HOST_TERMS + ("engine_overhead",)},
+            **{f"meas_{k}": v for k, v in meas_ops.items()}}
+
+
+class StepRecorder:
+    """Wraps an executor: runs the step on it, prices the same plan with the kernel-only cost model, records both
+    (and, with ``plans``, the plan itself with its measured seconds, for :func:`refit`)."""
+
+    def __init__(self, exe, cost_model: CostModel, label: str, rows: list, plans: list | None = None):
+        self._exe, self._cm, self._label, self._rows, self._plans = exe, cost_model, label, rows, plans
 
     def __getattr__(self, name):
         return getattr(self._exe, name)
@@ -40,16 +62,13 @@ class StepRecorder:
         res = self._exe.execute(plan)
         # an in-step graph capture is a one-off, not the step's cost
         meas = res.duration_s - sum(res.breakdown.get(k, 0.0) for k in HOST_TERMS + ("graph_capture",))
-        kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in HOST_TERMS + ("engine_overhead",))
-        self._rows.append({"mode": self._label, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
-                           "tokens": plan.num_tokens, "compress": self._cm.compress,
-                           "aot": self._cm.partition == "aot", "graphed": "engine_graph" in res.breakdown,
-                           "hp": self._cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": meas,
-                           **{f"pred_{k}": v for k, v in pred.breakdown.items()
-                              if k not in HOST_TERMS + ("engine_overhead",)},
-                           # per-operator seconds when the executor times operators (--time-ops)
-                           **{f"meas_{k}": v for k, v in res.breakdown.items()
-                              if k not in HOST_TERMS + ("graph_capture", "engine", "engine_graph")}})
+        graphed = "engine_graph" in res.breakdown
+        # per-operator seconds when the executor times operators (--time-ops)
+        ops = {k: v for k, v in res.breakdown.items() if k not in HOST_TERMS + ("graph_capture", "engine",
+                                                                                 "engine_graph")}
+        self._rows.append(step_row(self._label, self._cm, plan, pred, meas, graphed, ops))
+        if self._plans is not None:
+            self._plans.append((plan, meas, graphed))
         return res
 
 
@@ -88,6 +107,8 @@ def _parser():
                         "--steps-csv and print predicted vs measured per term; fits nothing")
     p.add_argument("--out-dir", help="tables folder to write engine_overhead.json into (default: the GPU's)")
     p.add_argument("--steps-csv", help="also write every recorded step here")
+    p.add_argument("--plans", metavar="FILE",
+                   help="also keep every step's plan and measured seconds in FILE (gzip'd pickle) for --refit")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe; or a probe JSON of it) as the folder's "
                         "reference_probe.json: later probes of other machines are compared with it")
@@ -110,6 +131,7 @@ def run(a) -> dict:
     device, dtype = device_dtype(runs[0][1].device, runs[0][1].dtype)
     model = info = spec0 = None
     rows: list[dict] = []
+    recorded: list[dict] = []  # --plans: per run, the cost model's inputs and its steps
     for label, spec in runs:
         trace, mode = spec.load_trace(), spec.run_mode
         if model is None:
@@ -121,9 +143,14 @@ def run(a) -> dict:
         kernel_params = CostParams(engine_overhead=False)
 
         def wrap(exe, label=label, spec=spec, kernel_params=kernel_params):
-            cm = CostModel(spec.model, spec.gpu, exe.engine, exe.sched.layout, exe.sched.profile,
-                           tables=spec.tables, params=kernel_params, seed=spec.seed)
-            return StepRecorder(exe, cm, label, rows)
+            args = dict(model=spec.model, gpu=spec.gpu, engine=exe.engine, layout=exe.sched.layout,
+                        profile=exe.sched.profile, tables=spec.tables, seed=spec.seed)
+            cm = CostModel(**args, params=kernel_params)
+            plans = None
+            if a.plans:
+                recorded.append({"label": label, "cost_model": args, "steps": []})
+                plans = recorded[-1]["steps"]
+            return StepRecorder(exe, cm, label, rows, plans)
 
         n0 = len(rows)
         meas, _, _ = run_mode(trace, spec, mode, model, device=device, seed=spec.seed, dynamic_keep=dyn, wrap=wrap,
@@ -140,15 +167,6 @@ def run(a) -> dict:
     if a.time_ops:
         print(term_table(df).to_string(float_format=lambda x: f"{x:.4g}"))
         return {"steps": int(len(df))}
-    L = spec.model.num_layers
-    ov, stats = engine_overhead.fit(step_terms(df), df["measured_s"], L, df["kd"], df["kp"], df["compress"],
-                                    df["aot"], df["graphed"])
-    per_mode = {}
-    for mode, g in df.groupby("mode", sort=False):
-        pred = ov.step_s(step_terms(g), L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
-        per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
-                          "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
-    stats["per_mode"] = per_mode
     directory = Path(a.out_dir) if a.out_dir else tables_dir_for(spec.gpu.name)
     if directory is None:
         raise ConfigError(f"no tables folder for GPU {spec.gpu.name}; pass --out-dir")
@@ -161,6 +179,9 @@ def run(a) -> dict:
         prov["triton"] = triton.__version__
     except ImportError:
         pass
+    if a.plans:
+        save_plans(a.plans, recorded, spec.model.name, prov)
+        print(f"wrote {len(df)} steps' plans to {a.plans}")
     if a.probe:  # the machine the coefficients describe: tables rescaled to another machine go by probe / this
         from .probe import load_probe, run_probe, save_probe
         from .tables import REFERENCE_PROBE
@@ -170,7 +191,21 @@ def run(a) -> dict:
         save_probe(probe, directory / REFERENCE_PROBE)
         prov["reference_probe"] = REFERENCE_PROBE  # beside this file: a path that travels with the tables
         print(f"reference probe of {probe['device'].get('name')} written to {directory / REFERENCE_PROBE}")
-    path = engine_overhead.save(directory, spec.model.name, ov, stats, prov)
+    return fit_and_save(df, spec.model.name, spec.model.num_layers, directory, prov)
+
+
+def fit_and_save(df, model: str, num_layers: int, directory: Path, prov: dict) -> dict:
+    """Fit the overhead coefficients to a steps frame, print the per-config totals, write engine_overhead.json."""
+    L = num_layers
+    ov, stats = engine_overhead.fit(step_terms(df), df["measured_s"], L, df["kd"], df["kp"], df["compress"],
+                                    df["aot"], df["graphed"])
+    per_mode = {}
+    for mode, g in df.groupby("mode", sort=False):
+        pred = ov.step_s(step_terms(g), L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
+        per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
+                          "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
+    stats["per_mode"] = per_mode
+    path = engine_overhead.save(directory, model, ov, stats, prov)
     print("coefficients (s): " + ", ".join(f"{k}={v:.3g}" for k, v in ov.coefficients().items()))
     print(f"fit over {stats['steps']} steps: median |rel err| {stats['median_abs_rel_err']:.3f}, total "
           f"{stats['total_rel_err']:+.3f} (kernels only: {stats['kernels_only_total_rel_err']:+.3f}); "
@@ -181,9 +216,71 @@ def run(a) -> dict:
     return {"coefficients": ov.coefficients(), "fit": stats, "path": str(path)}
 
 
+def save_plans(path: str | Path, recorded: list[dict], model: str, prov: dict) -> None:
+    """The engine runs' plans and measured seconds, with what builds each run's cost model (pickled: plans are
+    numpy arrays and dataclasses of this package; read back only by the same package version line)."""
+    with gzip.open(path, "wb") as f:
+        pickle.dump({"version": PLANS_VERSION, "model": model, "provenance": prov, "runs": recorded}, f,
+                    protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_plans(path: str | Path) -> dict:
+    try:
+        with gzip.open(path, "rb") as f:
+            d = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ModuleNotFoundError) as e:
+        raise ConfigError(f"{path}: not a plans file of tangram-fit-engine --plans ({type(e).__name__}: {e})") \
+            from None
+    if not isinstance(d, dict) or d.get("version") != PLANS_VERSION or not isinstance(d.get("runs"), list):
+        raise ConfigError(f"{path}: plans file version {d.get('version') if isinstance(d, dict) else None!r}, this "
+                          f"code reads version {PLANS_VERSION}")
+    return d
+
+
+def reprice(plans: dict):
+    """The steps frame of recorded plans, priced by the current cost model (plans in their recorded order: the
+    cost model keeps per-run state, e.g. the decode price it rescales while a batch runs)."""
+    import pandas as pd
+
+    rows = []
+    for run in plans["runs"]:
+        cm = CostModel(**run["cost_model"], params=CostParams(engine_overhead=False))
+        for plan, meas, graphed in run["steps"]:
+            rows.append(step_row(run["label"], cm, plan, cm.execute(plan), meas, graphed, {}))
+    return pd.DataFrame(rows)
+
+
+def refit(argv: list[str]) -> dict:
+    """``--refit PLANS [--out-dir D] [--steps-csv CSV]``: refit from recorded plans, no engine, no GPU."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="tangram-fit-engine --refit",
+                                description="re-price recorded plans with the current cost model and refit")
+    p.add_argument("--refit", required=True, metavar="PLANS", help="a file written by --plans")
+    p.add_argument("--out-dir", required=True, help="tables folder to write engine_overhead.json into")
+    p.add_argument("--steps-csv", help="also write the re-priced steps here")
+    a = p.parse_args(argv)
+    plans = load_plans(a.refit)
+    df = reprice(plans)
+    if a.steps_csv:
+        Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(a.steps_csv, index=False)
+    prov = {**plans["provenance"], "refit": {"command": "python -m tangram.sim.fit_engine " + " ".join(argv),
+                                             "date": _dt.date.today().isoformat(),
+                                             "plans": Path(a.refit).name},
+            "command": plans["provenance"].get("command", "")}
+    print(f"re-priced {len(df)} steps of {len(plans['runs'])} runs recorded on {prov.get('device', '?')}")
+    return fit_and_save(df, plans["model"], int(plans["runs"][0]["cost_model"]["model"].num_layers),
+                        Path(a.out_dir), prov)
+
+
 @cli_main
 def main(argv=None) -> int:
-    run(parse(_parser(), argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(x == "--refit" or x.startswith("--refit=") for x in argv):
+        refit(argv)
+    else:
+        run(parse(_parser(), argv))
     return 0
 
 

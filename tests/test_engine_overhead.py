@@ -196,6 +196,59 @@ def test_calibrate_engine_cli_on_cpu(tmp_path):
     assert eo.load(out, "smollm2-135m") is not None
 
 
+def test_refit_from_recorded_plans_reproduces_the_fit_without_the_engine(tmp_path, monkeypatch):
+    """``--plans`` then ``--refit``: the recorded plans re-priced by the same cost model give the recorded
+    predictions and the same coefficients bit for bit (modes with and without compression and the dynamic draws);
+    a changed pricing changes the refit; a file that is not a plans file is a one-line error."""
+    from tangram.kernels import cpu_reference
+    from tangram.sim import costmodel
+    from tangram.sim.fit_engine import main
+    from tangram.traces.format import Trace, Turn, save_trace
+
+    turns = []
+    for s in range(3):
+        turns.append(Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 70 + 19 * s, 10))
+        turns.append(Turn(f"s{s}:1", f"s{s}", 1, None, 0.05, 15 + s, 8))
+    trace = tmp_path / "t.jsonl"
+    save_trace(Trace(turns), trace)
+    plans = tmp_path / "plans.pkl.gz"
+    with cpu_reference(), pytest.raises(SystemExit) as e:
+        main([str(trace), "--model", "smollm2-135m", "--hp", "3", "--modes", "tangram,full,dynamic",
+              "--kv-pool-gib", "0.02", "--out-dir", str(tmp_path / "a"), "--steps-csv", str(tmp_path / "a.csv"),
+              "--plans", str(plans)])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["--refit", str(plans), "--out-dir", str(tmp_path / "b"), "--steps-csv", str(tmp_path / "b.csv")])
+    assert e.value.code == 0
+    a, b = pd.read_csv(tmp_path / "a.csv"), pd.read_csv(tmp_path / "b.csv")
+    assert set(a["mode"]) == {"tangram", "full", "dynamic"} and len(a) == len(b) > 20
+    cols = [c for c in a.columns if not c.startswith("meas_")]
+    pd.testing.assert_frame_equal(a[cols], b[cols], check_exact=True)
+    ca = json.loads((tmp_path / "a" / eo.FILENAME).read_text())["models"]["smollm2-135m"]
+    cb = json.loads((tmp_path / "b" / eo.FILENAME).read_text())["models"]["smollm2-135m"]
+    assert ca["coefficients"] == cb["coefficients"] and cb["refit"]["plans"] == plans.name
+    # a cost model that prices decode attention 2x higher: the recorded seconds stay, the prices move
+    orig = costmodel.CostModel._decode_attention
+    monkeypatch.setattr(costmodel.CostModel, "_decode_attention",
+                        lambda self, *x, **k: (lambda t: (2 * t[0], t[1]))(orig(self, *x, **k)))
+    with pytest.raises(SystemExit) as e:
+        main(["--refit", str(plans), "--out-dir", str(tmp_path / "c"), "--steps-csv", str(tmp_path / "c.csv")])
+    assert e.value.code == 0
+    c = pd.read_csv(tmp_path / "c.csv")
+    assert (c["measured_s"] == a["measured_s"]).all()
+    dec = a["pred_decode_attention"].fillna(0) > 0
+    assert dec.any() and (c.loc[dec, "pred_decode_attention"] > a.loc[dec, "pred_decode_attention"]).all()
+    cc = json.loads((tmp_path / "c" / eo.FILENAME).read_text())["models"]["smollm2-135m"]
+    # (on the CPU the measured seconds dwarf the kernel prices, so the coefficients may not move; the fit's
+    # kernel-only prediction must)
+    assert cc["fit"]["kernels_only_total_rel_err"] > ca["fit"]["kernels_only_total_rel_err"]
+    bad = tmp_path / "bad.pkl.gz"
+    bad.write_bytes(b"not a plans file")
+    with pytest.raises(SystemExit) as e:
+        main(["--refit", str(bad), "--out-dir", str(tmp_path / "d")])
+    assert e.value.code == 2 and not (tmp_path / "d").exists()
+
+
 def test_calibrate_engine_runs_config_files(tmp_path):
     """``--configs``: each file runs with its own mode and H_p, and every step carries the per-term prediction."""
     from tangram.kernels import cpu_reference
