@@ -10,7 +10,8 @@ asynchronous), so a step takes
                    + (prefill_chunk_layer_s + compress_chunk_layer_s * [compress]) * kp) + row_s * (kd + kp)
 
 and a decode step replayed from a CUDA graph (``EngineConfig.decode_graphed``) takes
-``graph_scale * sum_t kernel_t + graph_s``,
+``graph_scale * sum_t kernel_t + graph_s`` (the row term takes ``min(kd + kp, rows_max)`` rows, ``rows_max`` the
+most rows of an eager step the fit saw: not extrapolated, see :class:`EngineOverhead`),
 with ``kernel_t`` the cost model's own prediction for each kernel term t of the step (dense GEMMs and
 element-wise ops, prefill attention, compression, decode attention) and ``scale_t`` (``kernel_scale`` for the
 dense term, ``prefill_scale``, ``compress_scale``, ``decode_scale``) the ratio between that term inside the
@@ -80,6 +81,14 @@ class EngineOverhead:
     decode_scale: float | None = None
     graph_scale: float | None = None  # a graphed step's kernels (no Python launch between them)
     source: str = ""
+    # The most rows (kd + kp) of an eager step the fit saw; the row term is flat beyond it (None: not recorded, as in
+    # files fitted before it was, priced linearly). The engine issues no launch per row (its eager step is
+    # vectorised over rows), so row_s is whatever per-row host work the fitted steps' few rows show; extrapolated
+    # linearly it is not a measurement. The H100 fit of 2026-11-24 saw eager steps of at most 5 rows (its decode-only
+    # steps were all graphed) and its objective hardly moves between row_s 0 and 1.76 ms, yet 1.76 ms x 65 rows
+    # priced an eager decode step of 65 rows at ~10x the graphed 64-row step and a mixed step of 64 decode rows +
+    # a 512-token chunk at 142-153 ms, where the engine measured 35-85 ms (reports/engine/roofline, "Mixed steps").
+    rows_max: float | None = None
 
     def __post_init__(self):
         for k in ("prefill_scale", "compress_scale", "decode_scale", "graph_scale"):
@@ -90,7 +99,10 @@ class EngineOverhead:
         kd, kp = np.asarray(kd, dtype=np.float64), np.asarray(kp, dtype=np.float64)
         per_layer = (self.layer_s + (self.decode_layer_s + self.aot_decode_layer_s * np.asarray(aot, float)) * (kd > 0)
                      + (self.prefill_chunk_layer_s + self.compress_chunk_layer_s * np.asarray(compress, float)) * kp)
-        return num_layers * per_layer + self.row_s * (kd + kp)
+        rows = kd + kp
+        if self.rows_max is not None:
+            rows = np.minimum(rows, self.rows_max)
+        return num_layers * per_layer + self.row_s * rows
 
     def step_s(self, kernels, num_layers: int, kd, kp, compress, aot=False, graphed=False):
         """Executor seconds of a step whose kernels take ``kernels`` seconds by the tables: a mapping of
@@ -116,7 +128,10 @@ class EngineOverhead:
         k = sum(getattr(self, _TERM_SCALE[t]) * v for t, v in kernels.items())
         per_layer = (self.layer_s + (self.decode_layer_s + self.aot_decode_layer_s * float(bool(aot))) * (kd > 0)
                      + (self.prefill_chunk_layer_s + self.compress_chunk_layer_s * float(bool(compress))) * float(kp))
-        issue = num_layers * per_layer + self.row_s * float(kd + kp)
+        rows = float(kd + kp)
+        if self.rows_max is not None:
+            rows = min(rows, float(self.rows_max))
+        issue = num_layers * per_layer + self.row_s * rows
         return max(k, issue) + self.sync_s
 
     def coefficients(self) -> dict[str, float]:
@@ -189,6 +204,8 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
             if t != "dense" and not np.any(kernels.get(t, np.zeros(1)) * eager > 0):
                 unfitted.append(c)
                 fix[c] = ov.kernel_scale
+    if not graphed.all():  # the row term is not extrapolated beyond the rows the eager steps had
+        fix["rows_max"] = float((kd + kp)[~graphed].max())
     if fix:
         ov = dataclasses.replace(ov, **fix)
     pred = ov.step_s(kernels, num_layers, kd, kp, compress, aot, graphed)
@@ -202,7 +219,8 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
              "kernels_only_median_abs_rel_err": float(np.median(np.abs(base))),
              "converged": bool(sol.success), "unfitted": unfitted, "graphed_steps": int(graphed.sum()),
              "terms": sorted(kernels), "one_off_steps": int((~keep).sum()),
-             "one_off_excess_s": float((measured_s - pred)[~keep].sum())}
+             "one_off_excess_s": float((measured_s - pred)[~keep].sum()),
+             "eager_rows_max": ov.rows_max}
     return ov, stats
 
 
@@ -231,6 +249,10 @@ def load(directory: str | Path | None, model: str) -> EngineOverhead | None:
             vals[k] = 0.0 if vals[k] is None else vals[k]
         if "prefill_scale" not in c:
             note += "; one kernel_scale for every term (fitted before the terms were split)"
+        rows_max = entry.get("fit", {}).get("eager_rows_max")
+        if rows_max is None and vals["row_s"] > 0:
+            note += "; row term priced linearly at any row count (the fit's largest eager step not recorded)"
+        vals["rows_max"] = None if rows_max is None else float(rows_max)
         return EngineOverhead(**vals,
                               source=f"fitted: {p.parent.name}/{FILENAME} ({entry.get('fit', {}).get('steps', '?')} "
                                      f"steps, {entry.get('device', '?')}; {entry.get('command', '')}){note}")
