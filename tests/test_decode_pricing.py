@@ -182,3 +182,23 @@ def test_a_probe_moves_decode_costs_as_it_moves_the_decode_rows(tmp_path):
     for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s"):
         assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-12), k
     assert got.rate_model == want.rate_model
+
+
+def test_the_engine_routes_with_the_costs_the_simulator_prices_its_spec_with():
+    """tangram-bench / tangram-validate's engine run: 'auto' tables -> DecodeCosts.for_gpu; tables resolved with a
+    probe (tangram-validate --probe) -> those tables' carried costs, as the simulator side uses."""
+    from tangram.engine.bench import routing_costs
+    from tangram.spec import DeploymentSpec
+
+    d = _shipped()
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=1)
+    for gpu in (H100, H200):
+        spec = DeploymentSpec(LLAMA, gpu, EngineConfig(mode="tangram"), prof)
+        assert spec.tables == "auto" and routing_costs(spec) == resolve("auto", gpu).decode_costs(LLAMA.name)
+        t = rescale(resolve("auto", gpu), _probe(CostTables.load(d), 1.1, 0.95))
+        spec.tables = t
+        c = routing_costs(spec)
+        assert c == t.decode_costs(LLAMA.name) and c != DecodeCosts.for_gpu(gpu.name, LLAMA.name)
+        eng = spec.engine
+        cm = CostModel(LLAMA, gpu, eng, KVLayout.build(LLAMA, eng, prof.B), prof, tables=t)
+        assert cm.decode_costs == c
