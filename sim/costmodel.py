@@ -51,6 +51,10 @@ class CostParams:
     score_window: int = 64  # SnapKV observation window (queries scoring each new token)
     aot_batch_buckets: bool = True  # split maps per power-of-two batch bucket (N_CTA / bucket), a lookup
     decode_refresh: float = 0.01  # re-run the wave model when the same batch's tokens grew by more than this
+    # "auto": decode priced by the folder's fitted decode_costs.json (the AOT routing's model) when it has one, else
+    # by the capped wave model; "capped": the capped wave model always (the pricing before decode_costs.json priced
+    # decode, for A/B comparisons: benchmarks/decode_pricing.py)
+    decode_model: str = "auto"
     # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the tables folder
     # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
     engine_overhead: bool = True
@@ -182,7 +186,10 @@ class CostModel:
         self.decode_costs = self.tables.decode_costs(model.name)
         # ... and, when fitted, the decode price of every partition: one model of the kernel for choosing a launch
         # and for pricing it (tangram.planner.launch_layer_times); without a fit, the fallback below
-        self.price_costs = self.decode_costs if self.tables.has_decode_costs else None
+        if self.params.decode_model not in ("auto", "capped"):
+            raise ConfigError(f"CostParams.decode_model must be 'auto' or 'capped', got {self.params.decode_model!r}")
+        self.price_costs = self.decode_costs if self.tables.has_decode_costs and self.params.decode_model == "auto" \
+            else None
         where = (f"{self.n_occ} resident CTAs ({n_cta_src}), plans aim at {self.n_cta} (n_cta_scale "
                  f"{engine.n_cta_scale:g}); partition={self.partition}")
         if self.price_costs is not None:
@@ -197,8 +204,9 @@ class CostModel:
                 if cfit is not None:
                     self.cta_bw, nrows = cfit
                     cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s fitted on {nrows} static_split rows"
-            self.sources["decode_attention"] = (f"{src}; {cta_src} (capped rate model; fallback: no "
-                                                f"{DecodeCosts.FILENAME} in the tables folder); {where}")
+            why = "decode_model='capped'" if self.params.decode_model == "capped" else \
+                f"fallback: no {DecodeCosts.FILENAME} in the tables folder"
+            self.sources["decode_attention"] = f"{src}; {cta_src} (capped rate model; {why}); {where}"
         self._split_maps: dict[tuple[int, int], np.ndarray] = {}
         self._reps: dict[tuple[int, int, int], np.ndarray] = {}  # _aot_reps, the last few
         if self.partition == "aot":

@@ -64,11 +64,21 @@ def test_decode_price_by_hand_two_layers_three_heads(tmp_path):
     # the routing's model gives the same numbers for the same lengths and map
     want = decode_layer_times(lens[0], np.full((2, 3), 2), 1, 1, 4, cm.price_costs, gq=2, head_dim=4)
     np.testing.assert_allclose(want, [l0, l1], rtol=1e-12)
+    # decode_model="capped" (the A/B of benchmarks/decode_pricing.py) prices as a folder without the file does
+    from tangram.errors import ConfigError
+    from tangram.sim.costmodel import CostParams
+
+    ab = CostModel(TINY, gpu, eng, KVLayout.build(TINY, eng, None), None, tables=d,
+                   params=CostParams(decode_model="capped"))
+    assert ab.price_costs is None and "decode_model='capped'" in ab.sources["decode_attention"]
+    with pytest.raises(ConfigError, match="decode_model"):
+        CostModel(TINY, gpu, eng, KVLayout.build(TINY, eng, None), None, tables=d, params=CostParams(decode_model="x"))
+    t_ab = ab._decode_attention(lens)[0]
     # a folder without decode_costs.json keeps the fallback (capped model, fitted intercepts) and says so
     (d / DecodeCosts.FILENAME).unlink()
     fb = CostModel(TINY, gpu, eng, KVLayout.build(TINY, eng, None), None, tables=d)
     assert fb.price_costs is None and "fallback" in fb.sources["decode_attention"]
-    assert fb._decode_attention(lens)[0] != pytest.approx(t, rel=1e-3)
+    assert fb._decode_attention(lens)[0] == t_ab and t_ab != pytest.approx(t, rel=1e-3)
 
 
 @pytest.mark.parametrize("part", ["aot", "static", "runtime"])
