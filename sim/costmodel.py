@@ -21,7 +21,8 @@ from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
-                             launch_layer_times, launch_wave_time, pow2_bucket, runtime_plan, wave_launch)
+                             launch_fixed_times, launch_layer_times, launch_wave_time, pow2_bucket, runtime_plan,
+                             wave_launch)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -546,7 +547,7 @@ class CostModel:
         and its partials): the rescale cache's fixed part (``_decode_cached``). The fallback's: its intercepts."""
         if self.price_costs is None:
             return launch.reps.shape[0] * self.dec_launch
-        return float(self._layer_times(np.zeros(launch.reps.shape), launch).sum())
+        return float(launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim).sum())
 
     def _static_alike(self, lens0: np.ndarray, s: int, L: int) -> float:
         """:meth:`_decode_attention` of a static split when every head of every layer holds the same tokens
@@ -569,14 +570,13 @@ class CostModel:
 
     def _launch(self, key, reps: np.ndarray | None) -> tuple:
         """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`), its CTA count and the fixed
-        seconds of its rows (:meth:`_fixed_rows`; 0 for a launch not kept: the runtime plan's, never rescaled),
-        kept for the last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is
+        seconds of its rows (:meth:`_fixed_rows`), kept for the last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is
         kept; None: not kept). A running batch is priced again at every refresh with the same CTA counts: only
         sizes change."""
         hit = self._launches.get(key) if key is not None else None
         if hit is None:
             launch = wave_launch(reps, self.n_occ)
-            hit = (launch, int(reps.sum()), self._fixed_rows(launch) if key is not None else 0.0)
+            hit = (launch, int(reps.sum()), self._fixed_rows(launch))
             if key is not None:
                 if len(self._launches) >= 16:
                     self._launches.pop(next(iter(self._launches)))

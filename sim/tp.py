@@ -41,7 +41,7 @@ from tangram.paging import KVLayout
 from tangram.placement import check_tp, page_shares
 from tangram.plan import RunResult, StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits, pow2_bucket, \
-    runtime_plan, wave_launch
+    launch_fixed_times, runtime_plan, wave_launch
 
 from .costmodel import GEMM_OPS, CostModel
 
@@ -246,7 +246,7 @@ class TPCostModel(CostModel):
             launch = wave_launch(np.asarray(reps).reshape(L, -1), self.n_occ)
             per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch)
             if self.price_costs is not None:
-                fixed[r] = self._layer_times(np.zeros(launch.reps.shape), launch)
+                fixed[r] = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim)
         # the rescale cache's fixed part: the slowest rank's per layer (the fallback's: its call intercepts)
         self._dec_fixed = float(fixed.max(axis=0).sum()) if self.price_costs is not None else L * self.dec_launch
         return float(per_layer.max(axis=0).sum()), plan_s

@@ -409,10 +409,17 @@ def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: Decode
     plus the fp32 partials, each ``gq x (head_dim + 2)`` floats, written by the first kernel and read by the
     merge). One model of the kernel: the AOT regime choice (:func:`decode_layer_times`, engine and simulator),
     the decode-cost fit (``tangram.sim.fit_decode``) and the simulator's price of every decode step call it."""
-    t = launch_wave_time(size_bytes, launch, costs.bw, costs.cta_bw, costs.cta_s, costs.rate_model)
-    t += costs.launch_s
+    t = launch_wave_time(size_bytes, launch, costs.bw, costs.cta_bw, 0.0, costs.rate_model)
+    return t + launch_fixed_times(launch, costs, gq=gq, head_dim=head_dim)
+
+
+def launch_fixed_times(launch: WaveLaunch, costs: DecodeCosts, *, gq: int, head_dim: int) -> np.ndarray:
+    """The part of :func:`launch_layer_times` that does not grow with the CTAs' bytes, per row: ``cta_s`` per
+    wave, the launch, and where a head is split the merge with its partials (the simulator's rescale cache keeps
+    it fixed while a running batch's tokens grow)."""
     partial = launch.ctas * (gq * (head_dim + 2) * 4 * 2)
-    return t + np.where(launch.split, costs.merge_s + partial / costs.bw, 0.0)
+    return launch.waves * costs.cta_s + costs.launch_s + np.where(launch.split, costs.merge_s + partial / costs.bw,
+                                                                  0.0)
 
 
 SPLIT_CANDIDATE_WAVES = (0.5, 1.0, 2.0, 4.0)

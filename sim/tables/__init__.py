@@ -136,8 +136,8 @@ class CostTables:
         d = Path(directory)
         if not d.is_dir():
             return cls(None)
-        key = (str(d.resolve()), tuple((f, (d / f).stat().st_mtime_ns) for f in
-                                       TABLE_FILES + ("meta.json", REFERENCE_PROBE, "decode_costs.json") if (d / f).exists()))
+        files = TABLE_FILES + ("meta.json", REFERENCE_PROBE, "decode_costs.json")
+        key = (str(d.resolve()), tuple((f, (d / f).stat().st_mtime_ns) for f in files if (d / f).exists()))
         hit = _LOADED.get(key)
         if hit is None:
             hit = _LOADED[key] = cls._load(d)
