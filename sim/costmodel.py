@@ -21,7 +21,8 @@ from tangram.errors import ConfigError
 from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
-                             launch_wave_time, pow2_bucket, runtime_plan, wave_launch)
+                             launch_fixed_times, launch_layer_times, launch_wave_time, pow2_bucket, runtime_plan,
+                             wave_launch)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -51,6 +52,10 @@ class CostParams:
     score_window: int = 64  # SnapKV observation window (queries scoring each new token)
     aot_batch_buckets: bool = True  # split maps per power-of-two batch bucket (N_CTA / bucket), a lookup
     decode_refresh: float = 0.01  # re-run the wave model when the same batch's tokens grew by more than this
+    # "auto": decode priced by the folder's fitted decode_costs.json (the AOT routing's model) when it has one, else
+    # by the capped wave model; "capped": the capped wave model always (the pricing before decode_costs.json priced
+    # decode, for A/B comparisons: benchmarks/decode_pricing.py)
+    decode_model: str = "auto"
     # Price the eager engine's per-step issue/sync overhead (sim/engine_overhead.py) when the tables folder
     # has a fitted engine_overhead.json for the model; False prices kernels back to back (a CUDA-graph engine).
     engine_overhead: bool = True
@@ -177,24 +182,39 @@ class CostModel:
                 self.dec_bw = gpu.mem_bandwidth * self.params.roofline_bw_eff
                 src = f"roofline: {self.params.roofline_bw_eff:g} x datasheet HBM bandwidth"
         self.cta_bw = max(self.params.cta_peak_bytes_per_s, self.dec_bw / self.n_occ)
-        cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s assumed"
-        if fit is not None:
-            cfit = _fit_cta_rate(self)
-            if cfit is not None:
-                self.cta_bw, nrows = cfit
-                cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s fitted on {nrows} static_split rows"
-        self.sources["decode_attention"] = (f"{src}; {cta_src}; {self.n_occ} resident CTAs ({n_cta_src}), "
-                                            f"plans aim at {self.n_cta} (n_cta_scale {engine.n_cta_scale:g}); "
-                                            f"partition={self.partition}")
+        # the AOT regime choice's launch costs: the same file the engine's split table reads (one choice), carried
+        # by the tables' transfer and probe rescale (CostTables.decode_costs; DecodeCosts.for_gpu on the engine)
+        self.decode_costs = self.tables.decode_costs(model.name)
+        # ... and, when fitted, the decode price of every partition: one model of the kernel for choosing a launch
+        # and for pricing it (tangram.planner.launch_layer_times); without a fit, the fallback below
+        if self.params.decode_model not in ("auto", "capped"):
+            raise ConfigError(f"CostParams.decode_model must be 'auto' or 'capped', got {self.params.decode_model!r}")
+        self.price_costs = self.decode_costs if self.tables.has_decode_costs and self.params.decode_model == "auto" \
+            else None
+        where = (f"{self.n_occ} resident CTAs ({n_cta_src}), plans aim at {self.n_cta} (n_cta_scale "
+                 f"{engine.n_cta_scale:g}); partition={self.partition}")
+        if self.price_costs is not None:
+            c = self.price_costs
+            self.sources["decode_attention"] = (
+                f"table:{c.source} ({c.rate_model} rate model, tangram.planner.launch_layer_times: the AOT "
+                f"routing's model); {where}")
+        else:
+            cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s assumed"
+            if fit is not None:
+                cfit = _fit_cta_rate(self)
+                if cfit is not None:
+                    self.cta_bw, nrows = cfit
+                    cta_src = f"CTA rate {self.cta_bw / 1e9:.3g} GB/s fitted on {nrows} static_split rows"
+            why = "decode_model='capped'" if self.params.decode_model == "capped" else \
+                f"fallback: no {DecodeCosts.FILENAME} in the tables folder"
+            self.sources["decode_attention"] = f"{src}; {cta_src} (capped rate model; {why}); {where}"
         self._split_maps: dict[tuple[int, int], np.ndarray] = {}
         self._reps: dict[tuple[int, int, int], np.ndarray] = {}  # _aot_reps, the last few
-        # the AOT regime choice's launch costs: the same file the engine's split table reads (one choice)
-        self.decode_costs = DecodeCosts.load(self.tables.directory, model.name) if self.tables.directory is not None \
-            else None
         if self.partition == "aot":
             self.sources["decode_split_choice"] = self.decode_costs.source if self.decode_costs is not None else \
                 "default: Algorithm 1 capped per context bucket (no tables folder)"
         self._dec_cache = None
+        self._dec_fixed = 0.0  # the part of the last _decode_attention that does not grow with the bytes
         self._static_splits: dict[tuple[int, int], int] = {}
         if self.partition == "aot":
             if self.profile is not None:
@@ -346,7 +366,7 @@ class CostModel:
     def _decode_run(self, run: StepRun) -> tuple[np.ndarray, np.ndarray | None, list]:
         """Decode attention of each step of a run: :meth:`_decode_cached`'s rule (rescale while the batch's tokens
         grew by at most ``decode_refresh`` since the last full pricing, else price it again) over the steps."""
-        k, L = run.k, run.head_lens0.shape[1]
+        k = run.k
         totals = run.totals
         out = np.empty(k)
         if self.partition == "runtime":  # replanned every step on the host: no cache, one pricing per step
@@ -370,7 +390,7 @@ class CostModel:
                     continue
             t, _ = self._decode_attention(run.head_lens0 + (i + 1), int(ctx[i]))
             out[i] = t
-            c = (ids.copy(), int(totals[i]), t, L * self.dec_launch, int(bucket[i]))
+            c = (ids.copy(), int(totals[i]), t, self._dec_fixed, int(bucket[i]))
             caches.append((i + 1, c))
             i += 1
         return out, None, caches
@@ -468,8 +488,7 @@ class CostModel:
             fixed = c[3]
             return fixed + (c[2] - fixed) * total / max(c[1], 1), 0.0
         t, plan_s = self._decode_attention(lens, ctx)
-        L = lens.shape[1]
-        self._dec_cache = (plan.decode_ids.copy(), total, t, L * self.dec_launch, decode_context_bucket(ctx))
+        self._dec_cache = (plan.decode_ids.copy(), total, t, self._dec_fixed, decode_context_bucket(ctx))
         return t, plan_s
 
     def _decode_attention(self, lens: np.ndarray, context: int | None = None) -> tuple[float, float]:
@@ -500,11 +519,35 @@ class CostModel:
             plan_s = rp.host_items * self.host.runtime_plan_item_s
             key = None
         size *= self.tok_head_bytes
-        launch, n_partials = self._launch(key, reps)
-        t = float(launch_wave_time(size.reshape(L, -1), launch, self.dec_bw, self.cta_bw).sum())
+        launch, n_partials, self._dec_fixed = self._launch(key, reps)
+        return self._decode_total(size.reshape(L, -1), launch, n_partials), plan_s
+
+    def _decode_total(self, size: np.ndarray, launch, n_partials: int) -> float:
+        """Seconds of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch`` (summed over its
+        layers): :meth:`_layer_times` with fitted decode costs, else the fallback's sum as one expression."""
+        if self.price_costs is not None:
+            return float(self._layer_times(size, launch).sum())
+        t = float(launch_wave_time(size, launch, self.dec_bw, self.cta_bw).sum())
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-        launches = L * self.dec_launch  # the fitted intercept of a call includes its merge kernel
-        return t + combine + launches, plan_s
+        return t + combine + size.shape[0] * self.dec_launch  # the fitted intercept of a call includes its merge
+
+    def _layer_times(self, size: np.ndarray, launch) -> np.ndarray:
+        """Seconds per layer of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch``: the fitted
+        decode costs through :func:`tangram.planner.launch_layer_times` (the model the AOT routing chooses maps
+        by), else the fallback: the capped wave model at the balanced-call fit's bandwidth and the fitted lone-CTA
+        rate, plus the partials' bytes and one fitted call intercept (which includes the merge kernel)."""
+        c = self.price_costs
+        if c is not None:
+            return launch_layer_times(size, launch, c, gq=self.gq, head_dim=self.model.head_dim)
+        t = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
+        return t + launch.ctas * (self.gq * (self.model.head_dim + 2) * 4) / self.dec_bw + self.dec_launch
+
+    def _fixed_rows(self, launch) -> float:
+        """The seconds of a launch's rows that do not grow with its bytes (launches, per-wave latency, the merge
+        and its partials): the rescale cache's fixed part (``_decode_cached``). The fallback's: its intercepts."""
+        if self.price_costs is None:
+            return launch.reps.shape[0] * self.dec_launch
+        return float(launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim).sum())
 
     def _static_alike(self, lens0: np.ndarray, s: int, L: int) -> float:
         """:meth:`_decode_attention` of a static split when every head of every layer holds the same tokens
@@ -515,20 +558,25 @@ class CostModel:
         size = np.divide(lens0, s).reshape(1, -1)
         size *= self.tok_head_bytes
         key = ("static", 1, kd * H, s)
-        launch, n_partials = self._launch(key, None if key in self._launches else np.full((1, kd * H), s,
-                                                                                           dtype=np.int64))
+        launch, n_partials, fixed = self._launch(key, None if key in self._launches else np.full((1, kd * H), s,
+                                                                                                  dtype=np.int64))
+        self._dec_fixed = L * fixed
+        if self.price_costs is not None:
+            return float(np.full(L, self._layer_times(size, launch)[0]).sum())
         per = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
         t = float(np.full(L, per[0]).sum())
         combine = L * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         return t + combine + L * self.dec_launch
 
     def _launch(self, key, reps: np.ndarray | None) -> tuple:
-        """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`) and its CTA count, kept for the
-        last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is kept; None:
-        not kept). A running batch is priced again at every refresh with the same CTA counts: only sizes change."""
+        """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`), its CTA count and the fixed
+        seconds of its rows (:meth:`_fixed_rows`), kept for the last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is
+        kept; None: not kept). A running batch is priced again at every refresh with the same CTA counts: only
+        sizes change."""
         hit = self._launches.get(key) if key is not None else None
         if hit is None:
-            hit = (wave_launch(reps, self.n_occ), int(reps.sum()))
+            launch = wave_launch(reps, self.n_occ)
+            hit = (launch, int(reps.sum()), self._fixed_rows(launch))
             if key is not None:
                 if len(self._launches) >= 16:
                     self._launches.pop(next(iter(self._launches)))

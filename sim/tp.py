@@ -41,7 +41,7 @@ from tangram.paging import KVLayout
 from tangram.placement import check_tp, page_shares
 from tangram.plan import RunResult, StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits, pow2_bucket, \
-    runtime_plan, wave_time
+    launch_fixed_times, runtime_plan, wave_launch
 
 from .costmodel import GEMM_OPS, CostModel
 
@@ -221,6 +221,7 @@ class TPCostModel(CostModel):
         """Per rank and layer: the wave model on the rank's heads; each layer waits for its slowest rank."""
         kd, L, H = lens.shape
         per_layer = np.zeros((self.tp, L))
+        fixed = np.zeros((self.tp, L))
         plan_s = 0.0
         for r in range(self.tp):  # a handful of ranks; the work inside is numpy over [L, kd, H/tp]
             lr = lens[:, :, self.layout.rank_slots(r)]
@@ -242,11 +243,12 @@ class TPCostModel(CostModel):
                 reps = np.stack(rp.splits).astype(np.int64)
                 size = lr.transpose(1, 0, 2) / reps
                 plan_s = max(plan_s, rp.host_items * self.host.runtime_plan_item_s)  # ranks plan concurrently
-            reps = np.asarray(reps)
-            w = wave_time(size.reshape(L, -1) * self.tok_head_bytes, reps.reshape(L, -1), self.n_occ, self.dec_bw,
-                          self.cta_bw)
-            combine = reps.reshape(L, -1).sum(axis=1) * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-            per_layer[r] = w + combine + self.dec_launch
+            launch = wave_launch(np.asarray(reps).reshape(L, -1), self.n_occ)
+            per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch)
+            if self.price_costs is not None:
+                fixed[r] = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim)
+        # the rescale cache's fixed part: the slowest rank's per layer (the fallback's: its call intercepts)
+        self._dec_fixed = float(fixed.max(axis=0).sum()) if self.price_costs is not None else L * self.dec_launch
         return float(per_layer.max(axis=0).sum()), plan_s
 
     def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:

@@ -704,7 +704,31 @@ def write_tables(tables: CostTables, out: str | Path) -> Path:
     if tables.directory is not None and (tables.directory / "engine_overhead.json").exists() and \
             tables.directory.resolve() != d.resolve():
         shutil.copy(tables.directory / "engine_overhead.json", d / "engine_overhead.json")
+    if tables.has_decode_costs:  # the decode-launch costs moved as the decode rows were (read back as they are)
+        _write_decode_costs(tables, d / "decode_costs.json")
     return d
+
+
+def _write_decode_costs(tables: CostTables, path: Path) -> None:
+    """The folder's decode_costs.json with the top-level costs and every model's carried by the steps applied
+    since it was read (``CostTables.decode_costs``); the fit statistics are kept (they describe the source)."""
+    from .tables import scale_decode_costs
+
+    src = json.loads((tables.directory / "decode_costs.json").read_text())
+    from tangram.planner import DecodeCosts
+
+    def moved(entry: dict, model: str | None) -> dict:
+        c = DecodeCosts.load(tables.directory, model)
+        for step in tables.provenance[tables.loaded_steps:]:
+            c = scale_decode_costs(c, step, model)
+        return {**entry, **{k: getattr(c, k) for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")},
+                "source": entry.get("source", "") + "".join(
+                    f"; {p['label']}" for p in tables.provenance[tables.loaded_steps:])}
+
+    out = moved(src, None)
+    if isinstance(src.get("by_model"), dict):
+        out["by_model"] = {m: moved(v, m) for m, v in src["by_model"].items()}
+    path.write_text(json.dumps(out, indent=1) + "\n")
 
 
 __all__ = ["transfer", "rescale", "reference_of", "ratio_curve", "roofline_factor", "blocks_per_sm", "write_tables",

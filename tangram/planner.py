@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -177,6 +177,62 @@ class DecodeCosts:
     def to_json(self, path: str | Path, extra: dict | None = None) -> None:
         Path(path).write_text(json.dumps({**asdict(self), **(extra or {})}, indent=1) + "\n")
 
+    def scaled(self, *, bandwidth: float = 1.0, cta_rate: float = 1.0, latency: float = 1.0,
+               note: str = "") -> "DecodeCosts":
+        """These costs on another machine: ``bw`` x ``bandwidth``, ``cta_bw`` x ``cta_rate``, the fixed latencies
+        (``cta_s``, ``launch_s``, ``merge_s``) x ``latency``; the margin and rate model are kept. Factors of 1 are
+        an exact identity."""
+        for k, v in (("bandwidth", bandwidth), ("cta_rate", cta_rate), ("latency", latency)):
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"decode costs: {k} factor must be a positive number, got {v!r}")
+        return replace(self, bw=self.bw * bandwidth, cta_bw=self.cta_bw * cta_rate, cta_s=self.cta_s * latency,
+                       launch_s=self.launch_s * latency, merge_s=self.merge_s * latency,
+                       source=f"{self.source}; {note}" if note else self.source)
+
+    def transferred(self, bandwidth_ratio: float, label: str = "") -> "DecodeCosts":
+        """Carried to another GPU model by its datasheet bandwidth ratio, by the rules of the table transfer
+        (``tangram.sim.transfer``): the streaming bandwidth scales; the fixed latencies are latency floors, kept;
+        a lone CTA's rate is bound by memory latency (the transfer keeps the straggler tails of the decode rows),
+        kept."""
+        return self.scaled(bandwidth=bandwidth_ratio,
+                           note=f"bandwidth x{bandwidth_ratio:.4g}" + (f" ({label})" if label else ""))
+
+    @classmethod
+    def for_gpu(cls, gpu_name: str, model: str | None = None) -> "DecodeCosts":
+        """The costs the simulator prices ``gpu_name`` with when its tables are 'auto': the family folder's
+        (:meth:`load`), or, for a GPU model without kernel tables of its own, those of the first family of
+        :data:`TRANSFER_SOURCES` that has them carried over by :meth:`transferred` (datasheet bandwidth ratio), as
+        ``tangram.sim.tables.resolve`` transfers the tables themselves. The engine routes with this, so it launches
+        the maps the simulator prices (tests/test_decode_pricing.py checks the two agree)."""
+        from tangram.config import get_gpu, gpu_for_device_name
+
+        target = get_gpu(gpu_name)
+        d = tables_dir(gpu_name)
+        if d is None or not has_kernel_tables(d):
+            d = next((r / f for f in TRANSFER_SOURCES for r in _tables_roots()
+                      if f != target.family and has_kernel_tables(r / f)), None)
+        if d is None:
+            return cls.default()
+        costs = cls.load(d, model)
+        meta = {}
+        if (d / "meta.json").exists():
+            try:
+                meta = json.loads((d / "meta.json").read_text())
+            except json.JSONDecodeError:
+                meta = {}
+        src = None
+        prov = meta.get("provenance") if isinstance(meta, dict) else None
+        for st in reversed(prov if isinstance(prov, list) else []):
+            if isinstance(st, dict) and st.get("kind") == "transfer":
+                src = get_gpu(st["to"])
+                break
+        if src is None:
+            src = gpu_for_device_name(meta.get("gpu_name") if isinstance(meta, dict) else None)
+        if src is None or src.family == target.family:
+            return costs
+        return costs.transferred(target.mem_bandwidth / src.mem_bandwidth,
+                                 f"transferred from {src.name} to {target.name} by datasheet")
+
 
 def _fit_margin(v: dict, path: Path) -> float:
     """The routing margin of a decode_costs.json: its ``margin``, else the largest p90 relative error its ``fit``
@@ -192,12 +248,28 @@ def _fit_margin(v: dict, path: Path) -> float:
     return float(m)
 
 
+# the kernel tables of a cost-table folder (``tangram.sim.tables``): a folder with none of them (e.g. only the
+# all-reduce of a multi-GPU host) has its GPU priced by a transfer
+TABLE_FILES = ("decode_attention.csv", "prefill_attention.csv", "gemm.csv", "elementwise.csv")
+# families whose tables may be transferred to a GPU model without its own folder, in order of preference
+TRANSFER_SOURCES = ("h100",)
+
+
+def has_kernel_tables(d: Path) -> bool:
+    """Whether a family folder holds kernel tables (else its GPU is priced by a transfer)."""
+    return d.is_dir() and any((d / f).is_file() for f in TABLE_FILES)
+
+
+def _tables_roots() -> tuple[Path, ...]:
+    here = Path(__file__).resolve().parent
+    return (here / "sim" / "tables", here.parent / "sim" / "tables")
+
+
 def tables_dir(gpu_name: str) -> Path | None:
     """The cost-table folder of a GPU preset (``h100-80gb`` -> ``.../sim/tables/h100``), found by path so the
     engine reads the same data files as the simulator without importing it (repo or installed layout)."""
     fam = gpu_name.lower().split("-")[0]
-    here = Path(__file__).resolve().parent
-    for root in (here / "sim" / "tables", here.parent / "sim" / "tables"):
+    for root in _tables_roots():
         if (root / fam).is_dir():
             return root / fam
     return None
@@ -234,6 +306,8 @@ class WaveLaunch:
     n_occ: int
     width: int  # w: the longest last wave (the columns of the tail that can be non-zero)
     empty: bool  # no CTA at all
+    ctas: np.ndarray  # float64 [L] CTAs per row (the partials a split launch writes and its merge reads)
+    split: np.ndarray  # bool [L] some entry of the row is cut into more than one CTA (the merge kernel runs)
 
 
 def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
@@ -244,10 +318,11 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     reps = reps.reshape(L, -1)
     per_layer = reps.sum(axis=1)
     N = int(n_occ)
+    ctas, split = per_layer.astype(np.float64), (reps > 1).any(axis=1)
     if not per_layer.any():
         z = np.zeros(0, dtype=np.intp)
         return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z,
-                                  z.copy(), N, 0, True))
+                                  z.copy(), N, 0, True, ctas, split))
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
     # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
@@ -265,18 +340,20 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
     col = np.arange(src.size) - start[row]
     w = int(tail_n.max())
-    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False))
+    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False,
+                              ctas, split))
 
 
 def _frozen(launch: WaveLaunch) -> WaveLaunch:
-    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst):
+    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst, launch.ctas, launch.split):
         a.flags.writeable = False
     return launch
 
 
 def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
-                     cta_s: float = 0.0) -> np.ndarray:
-    """:func:`wave_time` of sizes ``size_bytes`` [L, n] (float64) on a launch of :func:`wave_launch`."""
+                     cta_s: float = 0.0, rate_model: str = "capped") -> np.ndarray:
+    """:func:`wave_time` of sizes ``size_bytes`` [L, n] (float64) on a launch of :func:`wave_launch`; the tail's
+    CTAs share the bandwidth by ``rate_model`` (:class:`DecodeCosts`)."""
     L = size_bytes.shape[0]
     if launch.empty:
         return np.zeros(L)
@@ -292,7 +369,7 @@ def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_
     diffs[:, :N - w] = 0.0
     diffs[:, N - w] = sub[:, 0]
     np.subtract(sub[:, 1:], sub[:, :-1], out=diffs[:, N - w + 1:])
-    diffs *= _tail_rates(N, float(bw), float(cta_bw))
+    diffs *= _tail_rates(N, float(bw), float(cta_bw), rate_model)
     return body + diffs.sum(axis=1) + launch.waves * cta_s
 
 
@@ -313,39 +390,36 @@ def _tail_rates(n: int, bw: float, cta_bw: float, rate_model: str = "capped") ->
 def decode_layer_times(lens: np.ndarray, S: np.ndarray, heads_per_group: int, batch: int, n_occ: int,
                        costs: DecodeCosts, *, gq: int, head_dim: int, dtype_bytes: int = 2) -> np.ndarray:
     """Predicted seconds per layer [L] of one decode launch: ``batch`` requests whose heads hold ``lens``
-    [L, H] tokens (slot order), split as ``S`` [L, G] (every head of group g gets S[l, g] page-aligned pieces)."""
+    [L, H] tokens (slot order), split as ``S`` [L, G] (every head of group g gets S[l, g] page-aligned pieces).
+    The batch's CTAs in launch order (request, slot, split) priced by :func:`launch_layer_times`, the arithmetic
+    the simulator prices every decode step with."""
     lens = np.asarray(lens, dtype=np.float64)
     per_head = np.repeat(np.asarray(S, dtype=np.int64), heads_per_group, axis=1)  # [L, H]
-    tok_bytes = 2 * head_dim * dtype_bytes
-    t = _tiled_wave_time(lens / per_head * tok_bytes, per_head, batch, n_occ, costs) + costs.launch_s
-    split = per_head.max(axis=1) > 1
-    partial = batch * per_head.sum(axis=1) * gq * (head_dim + 2) * 4 * 2  # written by stage 1, read by the merge
-    return t + np.where(split, costs.merge_s + partial / costs.bw, 0.0)
+    size = lens / per_head * (2 * head_dim * dtype_bytes)
+    if batch > 1:
+        size, per_head = np.tile(size, (1, batch)), np.tile(per_head, (1, batch))
+    return launch_layer_times(size, wave_launch(per_head, n_occ), costs, gq=gq, head_dim=head_dim)
 
 
-def _tiled_wave_time(size: np.ndarray, reps: np.ndarray, batch: int, n_occ: int, costs: DecodeCosts) -> np.ndarray:
-    """:func:`wave_time` of ``batch`` requests with the same per-request CTAs (``reps`` [L, H] CTAs of ``size``
-    bytes per head), without materialising the batch: the body is the total minus the last wave, whose CTAs are
-    the tail of the per-request sequence repeated in launch order."""
-    L = size.shape[0]
-    N = int(n_occ)
-    tail = np.zeros((L, N))
-    body = np.zeros(L)
-    waves = np.zeros(L)
-    for l in range(L):
-        one = np.repeat(size[l], reps[l])  # one request's CTAs in launch order (slot, split)
-        m = one.size
-        n = batch * m
-        w = -(-n // N)
-        tn = n - N * (w - 1)
-        t = one[(np.arange(n - tn, n)) % m]
-        tail[l, :tn] = t
-        body[l] = (batch * one.sum() - t.sum()) / costs.bw
-        waves[l] = w
-    tail.sort(axis=1)
-    diffs = np.diff(tail, axis=1, prepend=0.0)
-    per_byte = costs.tail_seconds_per_byte(N)
-    return body + (diffs * per_byte[None, :]).sum(axis=1) + waves * costs.cta_s
+def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: DecodeCosts, *, gq: int,
+                       head_dim: int) -> np.ndarray:
+    """Seconds per row (layer) of a decode launch whose CTAs, of ``size_bytes`` [L, n] bytes each (float64), come
+    as :func:`wave_launch` laid them out: the waves and straggler tail of :func:`launch_wave_time` at the costs'
+    bandwidth, lone-CTA rate and rate model, one launch, and where a head is split the merge kernel (``merge_s``
+    plus the fp32 partials, each ``gq x (head_dim + 2)`` floats, written by the first kernel and read by the
+    merge). One model of the kernel: the AOT regime choice (:func:`decode_layer_times`, engine and simulator),
+    the decode-cost fit (``tangram.sim.fit_decode``) and the simulator's price of every decode step call it."""
+    t = launch_wave_time(size_bytes, launch, costs.bw, costs.cta_bw, 0.0, costs.rate_model)
+    return t + launch_fixed_times(launch, costs, gq=gq, head_dim=head_dim)
+
+
+def launch_fixed_times(launch: WaveLaunch, costs: DecodeCosts, *, gq: int, head_dim: int) -> np.ndarray:
+    """The part of :func:`launch_layer_times` that does not grow with the CTAs' bytes, per row: ``cta_s`` per
+    wave, the launch, and where a head is split the merge with its partials (the simulator's rescale cache keeps
+    it fixed while a running batch's tokens grow)."""
+    partial = launch.ctas * (gq * (head_dim + 2) * 4 * 2)
+    return launch.waves * costs.cta_s + costs.launch_s + np.where(launch.split, costs.merge_s + partial / costs.bw,
+                                                                  0.0)
 
 
 SPLIT_CANDIDATE_WAVES = (0.5, 1.0, 2.0, 4.0)

@@ -59,20 +59,29 @@ def test_algorithm1_rejects_hp_not_dividing_h():
 # ----------------------------------------------------------------------------- regime routing
 
 
-def test_tiled_wave_time_equals_the_materialised_batch():
-    from tangram.planner import DecodeCosts, _tiled_wave_time, wave_time
+@pytest.mark.parametrize("rate_model", ["capped", "saturating"])
+def test_decode_layer_times_prices_every_cta_of_the_batch(rate_model):
+    """decode_layer_times on a batch of identical requests equals every CTA materialised in launch order (request,
+    slot, split) and priced one by one, plus one launch, and the merge with its partials where a head is split."""
+    from tangram.planner import DecodeCosts, decode_layer_times
 
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
-    c = DecodeCosts()
+    c = DecodeCosts(bw=2e12, cta_bw=4e10, cta_s=2e-6, launch_s=4e-6, merge_s=3e-6, rate_model=rate_model)
     for batch in (1, 3, 40, 300):
-        size = rng.uniform(1e3, 1e6, (4, 8))
-        reps = rng.integers(1, 9, (4, 8))
-        a = _tiled_wave_time(size, reps, batch, 264, c)
-        b = wave_time(np.tile(size, (1, batch)), np.tile(reps, (1, batch)), 264, c.bw, c.cta_bw, c.cta_s)
-        np.testing.assert_allclose(a, b, rtol=1e-12)
+        L, H, hp, gq, d = 3, 8, 2, 4, 128
+        lens = rng.integers(1, 20000, (L, H)).astype(float)
+        S = rng.integers(1, 5, (L, H // hp))
+        S[0] = 1  # one layer unsplit: no merge
+        per_head = np.repeat(S, hp, axis=1)
+        size = np.tile(lens / per_head * (2 * d * 2), (1, batch))
+        reps = np.tile(per_head, (1, batch))
+        want = _wave_time_per_cta(size, reps, 264, c.bw, c.cta_bw, c.cta_s, rate_model) + c.launch_s
+        want += np.where(S.max(axis=1) > 1, c.merge_s + batch * per_head.sum(axis=1) * gq * (d + 2) * 4 * 2 / c.bw, 0)
+        got = decode_layer_times(lens, S, hp, batch, 264, c, gq=gq, head_dim=d)
+        np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
-def _wave_time_per_cta(size, reps, n_occ, bw, cta_bw, cta_s):
+def _wave_time_per_cta(size, reps, n_occ, bw, cta_bw, cta_s, rate_model="capped"):
     """Reference: every CTA materialised in launch order, one layer at a time, in float64."""
     out = []
     for sz, rp in zip(size, reps):
@@ -87,7 +96,10 @@ def _wave_time_per_cta(size, reps, n_occ, bw, cta_bw, cta_s):
         t, prev = 0.0, 0.0
         for j, x in enumerate(tail):  # processor sharing among the CTAs still running
             active = tail.size - j
-            t += (x - prev) * max(active / bw, 1.0 / cta_bw)
+            if rate_model == "capped":
+                t += (x - prev) * max(active / bw, 1.0 / cta_bw)
+            else:  # together they stream bw (1 - exp(-active cta_bw / bw))
+                t += (x - prev) * active / (bw * (1.0 - np.exp(-active * cta_bw / bw)))
             prev = x
         out.append(body + t + waves * cta_s)
     return np.array(out)

@@ -497,8 +497,9 @@ def test_bundled_h100_tables_price_and_label_operators():
     prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25)
     eng = EngineConfig(mode="tangram")
     cm = CostModel(LLAMA, H100, eng, KVLayout.build(LLAMA, eng, prof.B), prof)
-    assert cm.sources["decode_attention"].startswith("table:decode_attention.csv")
-    assert "fitted on" in cm.sources["decode_attention"] and cm.dec_bw > 1e12
+    # priced by the decode costs fitted in the folder (the routing's model), not the fallback
+    assert cm.sources["decode_attention"].startswith("table:decode_costs.json")
+    assert "fitted on" in cm.sources["decode_attention"] and cm.price_costs is cm.decode_costs
     assert cm.sources["gemm_qkv"] == "table:gemm.csv"
     g1, _ = cm._dense(1, 1)
     g2, _ = cm._dense(4096, 1)

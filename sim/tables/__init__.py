@@ -24,26 +24,18 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import InputError
+# one list of the kernel tables and transfer sources, shared with the engine's DecodeCosts.for_gpu (no sim import there)
+from tangram.planner import TABLE_FILES, TRANSFER_SOURCES, has_kernel_tables  # noqa: F401
 
 TABLES_ROOT = Path(__file__).resolve().parent
-TABLE_FILES = ("decode_attention.csv", "prefill_attention.csv", "gemm.csv", "elementwise.csv")
 # the probe of the machine a folder's engine_overhead.json was fitted on (``tangram-fit-engine --probe``): when
 # present, a probe of another machine is compared with it instead of with the tables themselves
 REFERENCE_PROBE = "reference_probe.json"
-# families whose tables may be transferred to a GPU model without its own folder, in order of preference
-TRANSFER_SOURCES = ("h100",)
 
 
 def tables_dir_for(gpu_name: str) -> Path:
     """``h100-80gb`` -> ``sim/tables/h100``: tables are per GPU family, not per memory size."""
     return TABLES_ROOT / gpu_name.lower().split("-")[0]
-
-
-def has_kernel_tables(d: Path) -> bool:
-    """Whether a family folder holds kernel tables. A folder with only machine-level measurements (e.g. the
-    all-reduce of a multi-GPU host, ``allreduce.csv``) does not: the family is then priced by a transfer, and the
-    folder's other files are read where they apply (``sim.tp``)."""
-    return d.is_dir() and any((d / f).is_file() for f in TABLE_FILES)
 
 
 def _read_csv(path: Path, required: tuple[str, ...]):
@@ -118,6 +110,9 @@ class CostTables:
     provenance: list = field(default_factory=list)  # dicts: {"kind": "transfer" | "probe", "label": ..., ...}
     reference_probe: dict | None = None  # the probe these tables' engine overhead was fitted against, if recorded
     reference_probe_source: str | None = None
+    # provenance steps already applied to the folder's files when it was read (a folder written by write_tables):
+    # the steps after them were applied in memory, and decode_costs() applies them to decode_costs.json
+    loaded_steps: int = 0
 
     @property
     def label(self) -> str:
@@ -141,8 +136,8 @@ class CostTables:
         d = Path(directory)
         if not d.is_dir():
             return cls(None)
-        key = (str(d.resolve()), tuple((f, (d / f).stat().st_mtime_ns) for f in
-                                       TABLE_FILES + ("meta.json", REFERENCE_PROBE) if (d / f).exists()))
+        files = TABLE_FILES + ("meta.json", REFERENCE_PROBE, "decode_costs.json")
+        key = (str(d.resolve()), tuple((f, (d / f).stat().st_mtime_ns) for f in files if (d / f).exists()))
         hit = _LOADED.get(key)
         if hit is None:
             hit = _LOADED[key] = cls._load(d)
@@ -160,6 +155,7 @@ class CostTables:
         # a folder written by tangram.sim.transfer.write_tables keeps what was applied to its tables
         prov = meta.get("provenance")
         t = cls(d, meta, provenance=list(prov) if isinstance(prov, list) else [])
+        t.loaded_steps = len(t.provenance)
         rp = d / REFERENCE_PROBE
         if rp.exists():
             from tangram.sim.probe import load_probe
@@ -206,6 +202,27 @@ class CostTables:
             if isinstance(v, (int, float)) and v > 0:
                 return float(v) * 1e9
         return None
+
+    # ------------------------------------------------------------------ decode-launch costs
+    @property
+    def has_decode_costs(self) -> bool:
+        """Whether the folder has a fitted ``decode_costs.json`` (the decode price's model; else the fallback)."""
+        from tangram.planner import DecodeCosts
+
+        return self.directory is not None and (self.directory / DecodeCosts.FILENAME).is_file()
+
+    def decode_costs(self, model: str | None = None):
+        """The folder's :class:`tangram.planner.DecodeCosts` (``DecodeCosts.load``: the fit, else defaults) carried
+        by every transfer and probe rescale applied to these tables since they were read (:func:`decode_factors`),
+        so the routing and the decode price move with the decode rows; None without a folder."""
+        from tangram.planner import DecodeCosts
+
+        if self.directory is None:
+            return None
+        c = DecodeCosts.load(self.directory, model)
+        for step in self.provenance[self.loaded_steps:]:
+            c = scale_decode_costs(c, step, model)
+        return c
 
     # ------------------------------------------------------------------ per-operator fits
     @staticmethod
@@ -278,6 +295,46 @@ class CostTables:
         if rows is None or len(rows) < 1:
             return None
         return PrefillInterp(rows, model.num_kv_heads)
+
+
+def decode_factors(step: dict, model: str | None) -> dict[str, float]:
+    """How one provenance step moves the decode-launch costs (:meth:`tangram.planner.DecodeCosts.scaled`'s
+    factors), by the rules that step applied to the decode rows:
+
+    * ``transfer`` (datasheet): bandwidth x the transfer's bandwidth ratio; the fixed latencies and a lone CTA's
+      rate are kept (:meth:`tangram.planner.DecodeCosts.transferred`);
+    * ``probe``: the decode rows were multiplied by the probe's time ratio, interpolated in log bytes between its
+      small point (B = 1, 1K tokens: launch and latency bound) and its large one (B = 64, 8K: streaming) and flat
+      beyond; so the fixed latencies scale by the ratio at the small end, a lone CTA's rate (latency bound) by
+      its inverse, and the bandwidth by the inverse of the ratio at the large end. The model's own points, else
+      the geometric mean over the probed models (as the rows of an unprobed model). A probe s times slower than
+      the reference everywhere multiplies every decode time by s."""
+    if step.get("kind") == "transfer":
+        return {"bandwidth": float(step["bandwidth_ratio"])}
+    if step.get("kind") == "probe":
+        dec = (step.get("scales") or {}).get("decode") or {}
+        pts = [dec[model]] if model in dec else list(dec.values())
+        if not pts:
+            return {}
+        from tangram.sim.transfer import ratio_curve  # the rows' own curve (transfer imports this module)
+
+        ends = np.log([ratio_curve(p["bytes"], p["time_ratio"])(np.array([1.0, 1e30])) for p in pts])
+        lo, hi = (float(x) for x in np.exp(ends.mean(axis=0)))
+        return {"latency": lo, "cta_rate": 1.0 / lo, "bandwidth": 1.0 / hi}
+    return {}
+
+
+def scale_decode_costs(costs, step: dict, model: str | None):
+    """``costs`` moved by one provenance step (:func:`decode_factors`), its source saying so."""
+    f = decode_factors(step, model)
+    if not f:
+        return costs
+    if step.get("kind") == "transfer":
+        return costs.transferred(f["bandwidth"], f"transferred from {step.get('from')} to {step.get('to')} by "
+                                                 f"datasheet")
+    note = (f"probe of {step.get('device', '?')}: bandwidth x{f['bandwidth']:.4g}, latencies x{f['latency']:.4g}, "
+            f"CTA rate x{f['cta_rate']:.4g}")
+    return costs.scaled(**f, note=note)
 
 
 _LOADED: dict = {}  # (folder, file mtimes) -> CostTables

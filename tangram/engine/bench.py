@@ -223,15 +223,13 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     from tangram.engine.sampling import SamplingParams
     from tangram.harness import Cluster, summarize
 
-    from tangram.planner import DecodeCosts, tables_dir
-
     engine = spec.engine.with_(mode=mode)
     pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
                            async_steps=async_steps,
-                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name), spec.model.name))
+                           decode_costs=routing_costs(spec))
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)
@@ -367,6 +365,23 @@ def run(args, *, tp_rank0: bool = False) -> dict:
                   f"(peak {r['pages_peak']})")
     print(f"wrote {out}/metrics.json, requests.csv, report.md")
     return metrics
+
+
+def routing_costs(spec):
+    """The decode costs the engine's AOT routing chooses split maps with: the simulator's for the same spec, so it
+    launches the maps the simulator prices. Tables already resolved (``tangram-validate --probe`` rescales them to
+    the machine) or a pinned folder: that set's (``CostTables.decode_costs``, transfer and probe applied); else
+    the GPU's own or transferred ones (``DecodeCosts.for_gpu``, what 'auto' tables give)."""
+    from tangram.planner import DecodeCosts
+
+    t = spec.tables
+    if hasattr(t, "decode_costs"):
+        return t.decode_costs(spec.model.name)
+    if t not in (None, "auto"):
+        from tangram.sim.tables import resolve as resolve_tables
+
+        return resolve_tables(t, spec.gpu).decode_costs(spec.model.name)
+    return DecodeCosts.for_gpu(spec.gpu.name, spec.model.name)
 
 
 def record_probe(arg: str, spec, device, out: Path) -> dict:

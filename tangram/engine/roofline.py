@@ -231,9 +231,9 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
 
         kw["decode_config"] = DecodeConfig(*map(int, args.decode_tile.split("x")))
     if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
-        from tangram.planner import DecodeCosts, tables_dir
+        from tangram.planner import DecodeCosts
 
-        kw["decode_costs"] = DecodeCosts.load(tables_dir(args.gpu), cfg.name)
+        kw["decode_costs"] = DecodeCosts.for_gpu(args.gpu, cfg.name)
     exe = Executor(args.model_obj, sched, TokenSource(cfg.vocab, seed=args.seed), ExecutorOptions(**kw))
     streams: dict[int, _Tokens] = {}  # synthetic sessions: no scheduler requests behind the rows
     exe._stream = lambda rid: streams.get(rid) or _Tokens(cfg.vocab, rid)

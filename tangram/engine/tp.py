@@ -555,14 +555,14 @@ def run_mode_tp(trace, spec, mode: str, model, *, device, seed: int = 0, samplin
     from tangram.engine.bench import _mini_trace, max_session_tokens
     from tangram.engine.sampling import SamplingParams
     from tangram.harness import summarize
-    from tangram.planner import DecodeCosts, tables_dir
+    from tangram.planner import DecodeCosts
 
     sd = model.state_dict()
     dtype = model.lm_head.weight.dtype
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs="off",
                            graph_max_context=max_session_tokens(trace),
-                           decode_costs=DecodeCosts.load(tables_dir(spec.gpu.name), spec.model.name))
+                           decode_costs=DecodeCosts.for_gpu(spec.gpu.name, spec.model.name))
     if warmup:
         serve_tp(_mini_trace(spec.engine), spec, mode, sd, dtype=dtype, device=device, options=opts, seed=seed + 7,
                  record_kv=False)
