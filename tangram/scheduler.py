@@ -27,6 +27,7 @@ The scheduler knows nothing of time, torch or simpy: drivers call
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -204,7 +205,7 @@ class Scheduler:
         """Tokens of the next chunk at context position ``pos``."""
         c = min(self.engine.chunk_size, remaining)
         if cuts is not None:
-            i = int(np.searchsorted(cuts, pos, side="right"))
+            i = bisect_right(cuts, pos)  # np.searchsorted's, without its ~3 us per call on a few cuts
             if i < cuts.size:
                 c = min(c, int(cuts[i]) - pos)
         return c
@@ -617,7 +618,7 @@ class Scheduler:
         self._in_step.add(req.rid)
         key = req.rid  # the dynamic mode's retention draw: per request, or per chain for a chunk of the chain
         if req.cuts is not None and start + c <= int(req.chain.ends[-1]):
-            key = int(req.chain.draw[int(np.searchsorted(req.chain.bounds, start + c))])
+            key = int(req.chain.draw[bisect_left(req.chain.bounds, start + c)])
         if req.pending_copy is not None:
             self._copies.append(req.pending_copy)
             req.pending_copy = None
