@@ -27,6 +27,7 @@ The scheduler knows nothing of time, torch or simpy: drivers call
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -204,7 +205,7 @@ class Scheduler:
         """Tokens of the next chunk at context position ``pos``."""
         c = min(self.engine.chunk_size, remaining)
         if cuts is not None:
-            i = int(np.searchsorted(cuts, pos, side="right"))
+            i = bisect_right(cuts, pos)  # np.searchsorted's, without its ~3 us per call on a few cuts
             if i < cuts.size:
                 c = min(c, int(cuts[i]) - pos)
         return c
@@ -361,7 +362,7 @@ class Scheduler:
                 break
             rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
             new_lens = self.head_lens[rows] + 1
-            tl = self.layout.table_lens(new_lens)
+            tl = self._decode_table_lens(rows) + 1  # every head grows by one: so does every table's longest
             need_t = self.bt.pages_needed(rows, tl)
             need = int(need_t.sum())
             if need <= self.pool.n_free:
@@ -455,7 +456,8 @@ class Scheduler:
                 final = base + self._prefill_keep_total(prompt - hit, hit, cuts)
             else:  # pages come chunk by chunk; admission only checks the first chunk fits
                 final = base + self._keep_one(self._chunk_len(prompt - hit, hit, cuts))
-            need = max(0, int(self.layout.pages_for(self.layout.table_lens(final)).sum()) - held - shared)
+            tl_final = self.layout.table_lens(final)
+            need = max(0, int(self.layout.pages_for(tl_final).sum()) - held - shared)
             # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
             # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
             if not units or need + held + shared + units[-1].tail_ids.size <= self.pool.num_pages:
@@ -512,7 +514,7 @@ class Scheduler:
             self.head_lens[row] = 0
             self.ctx[row] = 0
         if self.engine.reserve_exact:
-            self.bt.ensure(np.array([row]), self.layout.table_lens(final)[None])
+            self.bt.ensure(np.array([row]), tl_final[None])
         req.status, req.row, req.prompt, req.prefilled = "running", row, prompt - hit, 0
         req.seq, self._seq = self._seq, self._seq + 1
         req.cuts = cuts
@@ -572,6 +574,16 @@ class Scheduler:
         tl = self.layout.table_lens(self.head_lens[rows] + self._keep(c))
         return int(self.bt.pages_needed(rows, tl).sum())
 
+    def _decode_table_lens(self, rows: np.ndarray) -> np.ndarray:
+        """``table_lens(head_lens[rows])`` of decoding rows, read from ``bt.lens``: every path that sets a row's head
+        lengths sets its tables' lengths to their maximum alongside (decode, chunks, admission, ``commit_run``; the
+        dynamic mode's upper bound is truncated back in ``update`` before the row decodes). Checked when the pool
+        validates (the tests)."""
+        tl = self.bt.lens[rows]
+        if self.pool.check and not np.array_equal(tl, self.layout.table_lens(self.head_lens[rows])):
+            raise AssertionError("table lengths out of step with head lengths")
+        return tl
+
     def _fit_rows(self) -> None:
         n = self.bt.pages.shape[0]
         if self.head_lens.shape[0] < n:
@@ -606,7 +618,7 @@ class Scheduler:
         self._in_step.add(req.rid)
         key = req.rid  # the dynamic mode's retention draw: per request, or per chain for a chunk of the chain
         if req.cuts is not None and start + c <= int(req.chain.ends[-1]):
-            key = int(req.chain.draw[int(np.searchsorted(req.chain.bounds, start + c))])
+            key = int(req.chain.draw[bisect_left(req.chain.bounds, start + c)])
         if req.pending_copy is not None:
             self._copies.append(req.pending_copy)
             req.pending_copy = None
@@ -753,7 +765,7 @@ class Scheduler:
         rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
         lens0 = self.head_lens[rows]
         if dec:
-            tl0 = self.layout.table_lens(lens0)
+            tl0 = self._decode_table_lens(rows)
             P = self.layout.page_size
             # first step at which each table needs a page, then one every P steps (strided cumulative count)
             first = (self.bt.npages[rows] * P - tl0).ravel() + 1
@@ -774,7 +786,7 @@ class Scheduler:
         out = StepRun(self._step + 1, np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec)), rows,
                       self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
                       self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
-        self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True)
+        self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None)
         return out
 
     def run_admits_nothing(self) -> bool:
@@ -827,7 +839,7 @@ class Scheduler:
         run are taken in one allocation)."""
         if self._run is None or self._run[0] is not run:
             raise ValueError("commit_run: not the scheduler's pending run (call plan_run, then commit it once)")
-        _, dec, blocked, free0, attempted_last = self._run
+        _, dec, blocked, free0, attempted_last, tl0 = self._run
         self._run = None
         if not 1 <= j <= run.k:
             raise ValueError(f"commit_run: {j} steps of a {run.k}-step run")
@@ -835,7 +847,7 @@ class Scheduler:
         if dec:
             rows = run.decode_rows
             new_lens = run.head_lens0 + j
-            tl = self.layout.table_lens(new_lens)
+            tl = tl0 + j  # table_lens(head_lens0 + j): every head grew by j
             touched = self.bt.rows_touched
             got = self.bt.ensure(rows, tl)
             assert got == alloc, (got, alloc)

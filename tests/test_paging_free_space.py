@@ -134,3 +134,39 @@ def test_a_row_parked_in_two_parts_frees_its_private_pages_and_refuses_shared_on
     parked = bt.park(r2, shared=np.array([2, 0]))
     assert bt.free_parked(parked) == 6  # 3 + 3 private; the two shared ones stay with the other row
     assert pool.n_free == 64 - 2 and pool.ref[table[0, :2]].tolist() == [1, 1]
+    # nothing shared (no prefix unit; shared columns all 0, or beyond no page): every page is the row's own
+    for shared in (np.array([0, 0]), None):
+        r3 = bt.acquire_row()
+        bt.ensure(np.array([r3]), np.array([[4, 16]]))  # 1 and 4 pages
+        t3 = bt.pages[r3].copy()
+        parked = bt.park(r3, shared=shared)
+        mine = np.concatenate([t3[0, :1], t3[1, :4]])
+        np.testing.assert_array_equal(parked.ids, mine)
+        if shared is None:
+            assert parked.own.size == 0 and bt.free_parked(parked) == 5
+        else:
+            assert parked.head.size == 0 and parked.own.tolist() == mine.tolist() and bt.free_parked(parked) == 5
+    assert pool.n_free == 64 - 2
+
+
+@pytest.mark.parametrize("heads,hp", [(8, 1), (8, 2), (8, 4), (8, 8), (6, 3), (12, 6), (12, 4)])
+def test_table_lens_is_each_tables_longest_head(heads, hp):
+    """``table_lens`` (pairwise maxima for a power-of-two H_p, a loop over the group otherwise) against a plain
+    Python maximum over each table's heads, for any leading shape (none, one row, several, two axes)."""
+    import dataclasses
+
+    from tangram.config import EngineConfig, get_model
+    from tangram.paging import KVLayout
+
+    m = dataclasses.replace(get_model("llama-3.1-8b"), num_layers=3, num_kv_heads=heads, num_q_heads=heads)
+    B = np.random.default_rng(heads * 10 + hp).uniform(0.1, 1.0, (3, heads))
+    lay = KVLayout.build(m, EngineConfig(mode="tangram", heads_per_group=hp), B)
+    rng = np.random.default_rng(hp)
+    for lead in ((), (1,), (5,), (2, 3), (0,)):
+        h = rng.integers(0, 10_000, lead + (3, heads))
+        flat = h.reshape(-1, 3, heads)
+        want = np.array([[max(int(x) for x in flat[i, l, g * hp:(g + 1) * hp]) for l in range(3)
+                          for g in range(heads // hp)] for i in range(flat.shape[0])], dtype=np.int64)
+        got = lay.table_lens(h)
+        assert got.shape == lead + (3 * heads // hp,)
+        np.testing.assert_array_equal(got.reshape(-1, 3 * heads // hp), want.reshape(-1, 3 * heads // hp))

@@ -261,3 +261,22 @@ def test_pool_checks_flag_default_and_repeats():
 def test_ragged_needs_profile():
     with pytest.raises(ConfigError):
         Scheduler(tiny_model(2, 4), EngineConfig(mode="tangram"), None, num_pages=10)
+
+
+def test_decode_reads_table_lengths_kept_in_step_and_checks_them():
+    """Decode and fast-forward read a row's table lengths from ``bt.lens`` instead of recomputing them from its head
+    lengths; with the pool validating (the tests) a row whose two disagree is caught at the next decode step."""
+    model = get_model("llama-3.1-8b")
+    eng = EngineConfig(mode="tangram", chunk_size=64, max_batched_tokens=256)
+    prof = synthetic_profile(model.num_layers, model.num_kv_heads, 0.25, seed=0)
+    s = Scheduler(model, eng, prof, num_pages=20_000)
+    s.add_request(0, "a", 100, 20)
+    for _ in range(4):  # prefill, then decode
+        plan = s.schedule()
+        s.update(plan, StepResult(plan.step, 0.0))
+    req = s.requests[0]
+    assert req.decoding
+    np.testing.assert_array_equal(s.bt.lens[req.row], s.layout.table_lens(s.head_lens[req.row]))
+    s.bt.lens[req.row, 0] += 1
+    with pytest.raises(AssertionError, match="out of step"):
+        s.schedule()
