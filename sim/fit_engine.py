@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.cli import Parser, cli_main, from_cli, parse, spec_parser
 from tangram.errors import ConfigError
 from tangram.spec import parse_modes
 
@@ -252,14 +252,12 @@ def reprice(plans: dict):
 
 def refit(argv: list[str]) -> dict:
     """``--refit PLANS [--out-dir D] [--steps-csv CSV]``: refit from recorded plans, no engine, no GPU."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="tangram-fit-engine --refit",
-                                description="re-price recorded plans with the current cost model and refit")
+    p = Parser(prog="tangram-fit-engine --refit",
+               description="re-price recorded plans with the current cost model and refit")
     p.add_argument("--refit", required=True, metavar="PLANS", help="a file written by --plans")
     p.add_argument("--out-dir", required=True, help="tables folder to write engine_overhead.json into")
     p.add_argument("--steps-csv", help="also write the re-priced steps here")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     plans = load_plans(a.refit)
     df = reprice(plans)
     if a.steps_csv:

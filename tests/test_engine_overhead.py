@@ -170,18 +170,26 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
     assert n > 0 and graphed > 0  # both kinds of step were priced
 
 
-def test_calibrate_engine_cli_on_cpu(tmp_path):
-    """The calibration CLI end to end on the CPU (SmolLM2 shape, random weights, reference kernels)."""
-    from tangram.kernels import cpu_reference
-    from tangram.sim.fit_engine import main
+def _two_turn_trace(tmp_path, first, follow):
+    """Three sessions of two turns: first turns of ``first[0] + first[1] * s`` prompt tokens and ``first[2]``
+    output tokens, follow-ups of ``follow[0] + s`` and ``follow[1]``."""
     from tangram.traces.format import Trace, Turn, save_trace
 
     turns = []
     for s in range(3):
-        turns.append(Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 90 + 17 * s, 14))
-        turns.append(Turn(f"s{s}:1", f"s{s}", 1, None, 0.05, 20 + s, 12))
+        turns.append(Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, first[0] + first[1] * s, first[2]))
+        turns.append(Turn(f"s{s}:1", f"s{s}", 1, None, 0.05, follow[0] + s, follow[1]))
     trace = tmp_path / "t.jsonl"
     save_trace(Trace(turns), trace)
+    return trace
+
+
+def test_calibrate_engine_cli_on_cpu(tmp_path):
+    """The calibration CLI end to end on the CPU (SmolLM2 shape, random weights, reference kernels)."""
+    from tangram.kernels import cpu_reference
+    from tangram.sim.fit_engine import main
+
+    trace = _two_turn_trace(tmp_path, (90, 17, 14), (20, 12))
     out = tmp_path / "cal"
     with cpu_reference(), pytest.raises(SystemExit) as e:
         main([str(trace), "--model", "smollm2-135m", "--hp", "3", "--modes", "tangram,full",
@@ -203,14 +211,8 @@ def test_refit_from_recorded_plans_reproduces_the_fit_without_the_engine(tmp_pat
     from tangram.kernels import cpu_reference
     from tangram.sim import costmodel
     from tangram.sim.fit_engine import main
-    from tangram.traces.format import Trace, Turn, save_trace
 
-    turns = []
-    for s in range(3):
-        turns.append(Turn(f"s{s}:0", f"s{s}", 0, 0.01 * s, 0.0, 70 + 19 * s, 10))
-        turns.append(Turn(f"s{s}:1", f"s{s}", 1, None, 0.05, 15 + s, 8))
-    trace = tmp_path / "t.jsonl"
-    save_trace(Trace(turns), trace)
+    trace = _two_turn_trace(tmp_path, (70, 19, 10), (15, 8))
     plans = tmp_path / "plans.pkl.gz"
     with cpu_reference(), pytest.raises(SystemExit) as e:
         main([str(trace), "--model", "smollm2-135m", "--hp", "3", "--modes", "tangram,full,dynamic",
