@@ -198,17 +198,19 @@ class DecodeCosts:
                            note=f"bandwidth x{bandwidth_ratio:.4g}" + (f" ({label})" if label else ""))
 
     @classmethod
-    def for_gpu(cls, gpu_name: str, model: str | None = None) -> "DecodeCosts":
+    def for_gpu(cls, gpu_name: str, model: str | None = None, directory: str | Path | None = None) -> "DecodeCosts":
         """The costs the simulator prices ``gpu_name`` with when its tables are 'auto': the family folder's
         (:meth:`load`), or, for a GPU model without kernel tables of its own, those of the first family of
         :data:`TRANSFER_SOURCES` that has them carried over by :meth:`transferred` (datasheet bandwidth ratio), as
         ``tangram.sim.tables.resolve`` transfers the tables themselves. The engine routes with this, so it launches
-        the maps the simulator prices (tests/test_decode_pricing.py checks the two agree)."""
+        the maps the simulator prices (tests/test_decode_pricing.py checks the two agree). ``directory``: a pinned
+        tables folder instead of the GPU's (``--tables DIR``), carried over the same way when it was measured on
+        another GPU model (a folder written for this GPU by a transfer is read as it is)."""
         from tangram.config import get_gpu, gpu_for_device_name
 
         target = get_gpu(gpu_name)
-        d = tables_dir(gpu_name)
-        if d is None or not has_kernel_tables(d):
+        d = Path(directory) if directory is not None else tables_dir(gpu_name)
+        if directory is None and (d is None or not has_kernel_tables(d)):
             d = next((r / f for f in TRANSFER_SOURCES for r in _tables_roots()
                       if f != target.family and has_kernel_tables(r / f)), None)
         if d is None:

@@ -212,3 +212,6 @@ def test_the_engine_routes_with_the_costs_the_simulator_prices_its_spec_with():
         eng = spec.engine
         cm = CostModel(LLAMA, gpu, eng, KVLayout.build(LLAMA, eng, prof.B), prof, tables=t)
         assert cm.decode_costs == c
+        # a pinned folder (--tables DIR; here the H100's own): found by path, transferred as the simulator does
+        spec.tables = str(d)
+        assert routing_costs(spec) == resolve(str(d), gpu).decode_costs(LLAMA.name)

@@ -370,18 +370,15 @@ def run(args, *, tp_rank0: bool = False) -> dict:
 def routing_costs(spec):
     """The decode costs the engine's AOT routing chooses split maps with: the simulator's for the same spec, so it
     launches the maps the simulator prices. Tables already resolved (``tangram-validate --probe`` rescales them to
-    the machine) or a pinned folder: that set's (``CostTables.decode_costs``, transfer and probe applied); else
-    the GPU's own or transferred ones (``DecodeCosts.for_gpu``, what 'auto' tables give)."""
+    the machine): that set's (``CostTables.decode_costs``, transfer and probe applied); else the GPU's own, a
+    pinned folder's, or transferred ones (``DecodeCosts.for_gpu``, found by path: the engine does not import the
+    simulator)."""
     from tangram.planner import DecodeCosts
 
     t = spec.tables
     if hasattr(t, "decode_costs"):
         return t.decode_costs(spec.model.name)
-    if t not in (None, "auto"):
-        from tangram.sim.tables import resolve as resolve_tables
-
-        return resolve_tables(t, spec.gpu).decode_costs(spec.model.name)
-    return DecodeCosts.for_gpu(spec.gpu.name, spec.model.name)
+    return DecodeCosts.for_gpu(spec.gpu.name, spec.model.name, None if t in (None, "auto") else t)
 
 
 def record_probe(arg: str, spec, device, out: Path) -> dict:
