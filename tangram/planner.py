@@ -209,10 +209,7 @@ class DecodeCosts:
         from tangram.config import get_gpu, gpu_for_device_name
 
         target = get_gpu(gpu_name)
-        d = Path(directory) if directory is not None else tables_dir(gpu_name)
-        if directory is None and (d is None or not has_kernel_tables(d)):
-            d = next((r / f for f in TRANSFER_SOURCES for r in _tables_roots()
-                      if f != target.family and has_kernel_tables(r / f)), None)
+        d = Path(directory) if directory is not None else kernel_tables_dir(gpu_name)
         if d is None:
             return cls.default()
         costs = cls.load(d, model)
@@ -265,6 +262,18 @@ def has_kernel_tables(d: Path) -> bool:
 def _tables_roots() -> tuple[Path, ...]:
     here = Path(__file__).resolve().parent
     return (here / "sim" / "tables", here.parent / "sim" / "tables")
+
+
+def kernel_tables_dir(gpu_name: str) -> Path | None:
+    """The folder whose kernel tables price ``gpu_name`` under 'auto' tables: its family's, or, for a GPU model
+    without kernel tables of its own, the first of :data:`TRANSFER_SOURCES` that has them (then transferred by
+    datasheet). One lookup for the simulator's ``resolve`` and the engine's routing costs."""
+    d = tables_dir(gpu_name)
+    if d is not None and has_kernel_tables(d):
+        return d
+    fam = gpu_name.lower().split("-")[0]
+    return next((r / f for f in TRANSFER_SOURCES for r in _tables_roots() if f != fam and has_kernel_tables(r / f)),
+                None)
 
 
 def tables_dir(gpu_name: str) -> Path | None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from tangram.errors import InputError
 # one list of the kernel tables and transfer sources, shared with the engine's DecodeCosts.for_gpu (no sim import there)
-from tangram.planner import TABLE_FILES, TRANSFER_SOURCES, has_kernel_tables  # noqa: F401
+from tangram.planner import TABLE_FILES, TRANSFER_SOURCES, has_kernel_tables, kernel_tables_dir  # noqa: F401
 
 TABLES_ROOT = Path(__file__).resolve().parent
 # the probe of the machine a folder's engine_overhead.json was fitted on (``tangram-fit-engine --probe``): when
@@ -352,11 +352,7 @@ def resolve(tables, gpu, probe: dict | str | Path | None = None) -> CostTables:
     elif tables is None:
         t = CostTables(None)
     elif isinstance(tables, str) and tables == "auto":
-        d = tables_dir_for(gpu.name)
-        if not has_kernel_tables(d):
-            src = next((f for f in TRANSFER_SOURCES if has_kernel_tables(TABLES_ROOT / f) and f != gpu.family), None)
-            d = TABLES_ROOT / src if src is not None else None
-        t = CostTables.load(d)
+        t = CostTables.load(kernel_tables_dir(gpu.name))
     else:
         t = CostTables.load(tables)
     probe_d = None
