@@ -3,8 +3,11 @@ the chunk's attention at 512-token chunks).
 
 Per layer-call of one request's chunk (``n_calls`` distinct layers' inputs, one CUDA graph each variant, replays
 interleaved): the chunk's attention, the full mode's KV copy, ``snapkv_compress`` stopped after its scores
-(phase 1), after the selection (phase 2) and whole (phase 3), and tile variants of it. Prints a table and, last
-line, JSON. GPU only.
+(phase 1), after the selection (phase 2) and whole (phase 3), tile variants of it, and ``fused_layers``: the
+engine's deferred form, ``snapkv_compress_layers`` of all ``n_calls`` layers' chunks in one launch (plus its copy
+launch), divided by ``n_calls`` (the engine defers every layer of a step, 30-32, when they fit
+DEFER_COMPRESS_MAX_BYTES: ``n_calls`` = 8 understates its amortisation). Prints a table and, last line, JSON.
+GPU only.
 
     python benchmarks/compress_phases.py --out DIR [--chunks 512,1024] [--cached 0,8192]
 """
@@ -49,6 +52,23 @@ def setup(m, c: int, cached: int, n_calls: int, dev):
     return calls, Hp
 
 
+def stacked(calls, lse, dev):
+    """The calls as the layers of one step: one pool (each layer's pages offset), tables ``[1, n, G, W]`` (-1
+    padded), q/k/v/lse and the counts, lens and slot maps with a layer axis (snapkv_compress_layers' arguments)."""
+    n = len(calls)
+    G, Wmax = calls[0]["bt"].shape[1], max(x["bt"].shape[2] for x in calls)
+    pool = torch.cat([x["pool"] for x in calls])
+    bt = torch.full((1, n, G, Wmax), -1, dtype=torch.int32, device=dev)
+    off = 0
+    for li, x in enumerate(calls):
+        bt[0, li, :, :x["bt"].shape[2]] = x["bt"][0] + off
+        off += x["pool"].shape[0]
+    stack = lambda key: torch.stack([x[key] for x in calls])  # noqa: E731
+    return dict(pool=pool.expand(n, *pool.shape), bt=bt, q=stack("q"), k=stack("k"), v=stack("v"),
+                lse=torch.stack(lse), counts=stack("counts").transpose(0, 1).contiguous(),
+                lens=stack("lens").transpose(0, 1).contiguous(), s2h=stack("s2h"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -90,6 +110,13 @@ def main(argv=None) -> int:
                                                 window=W, pool_kernel=K, **kw)
                     return f
 
+                st = stacked(calls, lse, dev)
+
+                def fused_layers():
+                    cmp.snapkv_compress_layers(st["q"], st["k"], st["v"], st["lse"], cu, c, st["counts"], st["pool"],
+                                               st["bt"], st["lens"], st["s2h"], page_size=16, heads_per_group=Hp,
+                                               window=W, pool_kernel=K)
+
                 def scores():
                     for i, x in enumerate(calls):
                         cmp.snapkv_scores_varlen(x["q"], x["k"], lse[i], cu, c, x["h2s"], window=W)
@@ -110,14 +137,16 @@ def main(argv=None) -> int:
                             "fused_p1_scores": fused(_phases=1), "fused_p2_select": fused(_phases=2),
                             "fused": fused(), "fused_cb32": fused(copy_block=32), "fused_cb128": fused(copy_block=128),
                             "fused_serial": fused(copy="serial"),
-                            "fused_serial_bc64": fused(copy="serial", block_c=64)}
+                            "fused_serial_bc64": fused(copy="serial", block_c=64), "fused_layers": fused_layers}
                 times = time_graphs(list(variants.values()))
                 us = {k: t[0] / a.n_calls * 1e3 for k, t in zip(variants, times)}
                 row = {"model": m.name, "chunk": c, "cached": cached, **{f"{k}_us": v for k, v in us.items()}}
                 row["compression_vs_attention"] = (us["fused"] - us["copy"]) / us["attention"]
+                row["deferred_vs_attention"] = (us["fused_layers"] - us["copy"]) / us["attention"]
                 rows.append(row)
                 log(f"{m.name} c={c} cached={cached}: " + ", ".join(f"{k} {v:.1f}" for k, v in us.items()) +
-                    f" us; (fused - copy) / attention {row['compression_vs_attention']:.0%}")
+                    f" us; (fused - copy) / attention {row['compression_vs_attention']:.0%}, deferred "
+                    f"{row['deferred_vs_attention']:.0%}")
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "compress_phases.csv", index=False)

@@ -19,7 +19,7 @@ from tangram.kernels.decode import (  # noqa: F401
 )
 from tangram.kernels.compress import (  # noqa: F401
     global_keep_counts, pool_scores, prefill_attention_varlen, score_width, select_scatter, snapkv_compress,
-    snapkv_scores_varlen,
+    snapkv_compress_layers, snapkv_scores_varlen,
 )
 from tangram.kernels.fused import add_rms_norm, rms_norm, rope_qkv, silu_mul  # noqa: F401
 from tangram.kernels.prefill import (  # noqa: F401

@@ -175,16 +175,19 @@ def _copy_kv_rows(KN, VN, KV, rows, h, dst, load_ok, store_ok, stride_knt, strid
 
 
 @triton.jit
-def _compress_block(CU, COUNTS, stride_ci, BLOCK_T: tl.constexpr):
-    """A (slot, token block, chunk) program's coordinates: the chunk's first row and length, the block's first
-    token and the slot's keep count (capped at the chunk; read even past the chunk's end: a valid address)."""
+def _compress_block(CU, COUNTS, stride_ci, stride_cl, n_chunks, BLOCK_T: tl.constexpr):
+    """A (slot, token block, layer x chunk) program's coordinates: the layer, the chunk, their flat index, the
+    chunk's first row and length, the block's first token and the slot's keep count (capped at the chunk; read
+    even past the chunk's end: a valid address)."""
     slot = tl.program_id(0)
     tb = tl.program_id(1)
-    i = tl.program_id(2)
+    li = tl.program_id(2)
+    lyr = li // n_chunks
+    i = li % n_chunks
     row0 = tl.load(CU + i)
     c = tl.load(CU + i + 1) - row0
-    cnt = tl.minimum(tl.load(COUNTS + i * stride_ci + slot), c)
-    return slot, tb, i, row0, c, tb * BLOCK_T, cnt
+    cnt = tl.minimum(tl.load(COUNTS + lyr * stride_cl + i * stride_ci + slot), c)
+    return slot, tb, lyr, i, li, row0, c, tb * BLOCK_T, cnt
 
 
 # max_pages (the step's widest table) takes any value: a specialisation per class would compile inside a run
@@ -272,7 +275,15 @@ def _finished_key(SROW, offs, c, w, POOL: tl.constexpr):
     return _order_key(s)
 
 
-@triton.jit(do_not_specialize=["window", "stride_lh", "max_pages"],
+# the chunk count and the layer strides of the int32/fp32 inputs vary between steps: no specialisation per value.
+# The strides that rebase the bf16 tensors (q/k/v, the pool) and the block tables keep Triton's divisibility
+# specialisation: without it the compiler cannot prove a rebased pointer aligned and loads element by element
+# (measured on the H100: the score phase of a 4096-token Llama-3.1-8B chunk 14.0 -> 22.9 us). They are 0 for one
+# layer and multiples of 16 in the engine's stacked launch (a row of qkv, a layer of the pool, a layer's tables).
+_LAYER_ARGS = ["n_chunks", "stride_ll", "stride_cl", "stride_lbl", "stride_kl", "stride_s2hl"]
+
+
+@triton.jit(do_not_specialize=["window", "stride_lh", "max_pages"] + _LAYER_ARGS,
             do_not_specialize_on_alignment=["CU", "COUNTS", "LENS", "SLOT2HEAD", "KEPT", "CNT"])
 def _snapkv_compress_kernel(
     Q, KN, VN, LSE, CU, COUNTS, LENS, SLOT2HEAD, BT, KV, KEPT, SC, DST, CNT,
@@ -280,6 +291,8 @@ def _snapkv_compress_kernel(
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_lh, stride_ci, stride_lb,
     stride_btb, stride_btg, stride_kvp, stride_kvkv, stride_kvh, stride_kvt, stride_ki, stride_si, stride_sh,
     stride_cnt,
+    n_chunks, stride_ql, stride_knl, stride_vnl, stride_ll, stride_cl, stride_lbl, stride_btl, stride_kvl, stride_kl,
+    stride_s2hl,
     HP: tl.constexpr, GQ: tl.constexpr, GQ_P2: tl.constexpr, W_BLOCK: tl.constexpr, D: tl.constexpr,
     P: tl.constexpr, C_BLOCK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, POOL: tl.constexpr,
     IEEE: tl.constexpr, PHASES: tl.constexpr = 3,
@@ -293,10 +306,22 @@ def _snapkv_compress_kernel(
     finds the ``cnt``-th largest finished key by a 4-round radix select (8-bit digits, histograms), computes every
     kept token's destination (ties to the earliest, in token order after the head's current length) into ``DST``
     and copies the head's kept K/V, ``BLOCK_C`` tokens at a time. Heads that keep every
-    token copy their block at once, without scores."""
-    slot, tb, i, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, BLOCK_T)
+    token copy their block at once, without scores. The third grid axis runs over layers x chunks: every
+    per-layer input is its layer-0 pointer plus ``layer * stride_*l`` (all 0 for one layer), so the chunks of
+    every layer of a step compress in one launch."""
+    slot, tb, lyr, i, li, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, stride_cl, n_chunks, BLOCK_T)
     if start >= c:
         return
+    lyr64 = lyr.to(tl.int64)
+    Q += lyr64 * stride_ql
+    KN += lyr64 * stride_knl
+    VN += lyr64 * stride_vnl
+    LSE += lyr64 * stride_ll
+    LENS += lyr64 * stride_lbl
+    SLOT2HEAD += lyr64 * stride_s2hl
+    BT += lyr64 * stride_btl
+    KV += lyr64 * stride_kvl
+    KEPT += lyr64 * stride_kl
     if tb == 0:
         tl.store(KEPT + i * stride_ki + slot, tl.maximum(cnt, 0))
     if cnt <= 0:
@@ -323,12 +348,12 @@ def _snapkv_compress_kernel(
     mask_t = offs_t < c
     raw = _window_prob_sums(Q, KN, LSE, row0, c, h, offs_t, window, qk_scale, stride_qt, stride_qh, stride_knt,
                             stride_knh, stride_lh, GQ, GQ_P2, D, W_BLOCK, IEEE) * inv_wg
-    srow = SC + i.to(tl.int64) * stride_si + slot * stride_sh
+    srow = SC + li.to(tl.int64) * stride_si + slot * stride_sh
     tl.store(srow + offs_t, raw, mask=mask_t)
     # 2. the last of the head's blocks to finish selects and copies (the others are done)
     tl.debug_barrier()  # every thread's scores are written before the release below
     ntb = tl.cdiv(c, BLOCK_T)
-    cptr = CNT + i * stride_cnt + slot
+    cptr = CNT + li * stride_cnt + slot
     arrived = tl.atomic_add(cptr, 1, sem="acq_rel", scope="gpu")
     if arrived != ntb - 1:
         return
@@ -363,7 +388,7 @@ def _snapkv_compress_kernel(
     ok = keep & (pidx < max_pages)
     page = tl.load(bt_row + pidx, mask=ok, other=-1)
     ok = ok & (page >= 0)
-    drow = DST + i.to(tl.int64) * stride_si + slot * stride_sh
+    drow = DST + li.to(tl.int64) * stride_si + slot * stride_sh
     tl.store(drow + offs, tl.where(ok, page.to(tl.int64) * stride_kvp + jj * stride_kvh + (pos % P) * stride_kvt,
                                    -1), mask=valid)
     tl.debug_barrier()  # the destinations are visible to every thread of the program
@@ -379,27 +404,31 @@ def _snapkv_compress_kernel(
                       stride_vnt, stride_vnh, stride_kvkv, D)
 
 
-@triton.jit(do_not_specialize_on_alignment=["CU", "SLOT2HEAD"])
+@triton.jit(do_not_specialize=["n_chunks", "stride_cl", "stride_s2hl"],
+            do_not_specialize_on_alignment=["CU", "SLOT2HEAD"])
 def _copy_selected_kernel(
     KN, VN, CU, COUNTS, SLOT2HEAD, KV, DST,
     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_ci, stride_kvkv, stride_si, stride_sh,
+    n_chunks, stride_knl, stride_vnl, stride_cl, stride_kvl, stride_s2hl,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """The copy of :func:`snapkv_compress`'s kept tokens, one program per (slot, token block, chunk): each token's
     destination (or -1) was written to ``DST`` by the selecting program of its head, so the copy runs on every
     block at once instead of one program per head (measured on the H100: that serial copy was 15.7 of the 27.4 us
     of a 512-token Llama-3.1-8B chunk, benchmarks/compress_phases.py)."""
-    slot, tb, i, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, BLOCK_T)
+    slot, tb, lyr, i, li, row0, c, start, cnt = _compress_block(CU, COUNTS, stride_ci, stride_cl, n_chunks, BLOCK_T)
     if start >= c:
         return
     if (cnt <= 0) | (cnt >= c):  # nothing kept, or everything (copied by the selecting launch): no destinations
         return
+    lyr64 = lyr.to(tl.int64)
     offs_t = start + tl.arange(0, BLOCK_T)
     vt = offs_t < c
-    dst = tl.load(DST + i.to(tl.int64) * stride_si + slot * stride_sh + offs_t, mask=vt, other=-1)
+    dst = tl.load(DST + li.to(tl.int64) * stride_si + slot * stride_sh + offs_t, mask=vt, other=-1)
     ok = dst >= 0
-    _copy_kv_rows(KN, VN, KV, (row0 + offs_t).to(tl.int64), tl.load(SLOT2HEAD + slot), dst, ok, ok, stride_knt,
-                  stride_knh, stride_vnt, stride_vnh, stride_kvkv, D)
+    _copy_kv_rows(KN + lyr64 * stride_knl, VN + lyr64 * stride_vnl, KV + lyr64 * stride_kvl,
+                  (row0 + offs_t).to(tl.int64), tl.load(SLOT2HEAD + lyr64 * stride_s2hl + slot), dst, ok, ok,
+                  stride_knt, stride_knh, stride_vnt, stride_vnh, stride_kvkv, D)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -415,16 +444,19 @@ def score_width(max_chunk: int) -> int:
 def prefill_attention_varlen(q, k, v, cu: torch.Tensor, max_chunk: int, kv_pool, block_table, head_lens,
                              head_to_slot, *, page_size: int, heads_per_group: int, sm_scale: float | None = None,
                              out: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64,
-                             num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                             num_warps: int = 4, num_stages: int = 2,
+                             lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of every chunk of a step: ``q [N, Hq, d]``, ``k``/``v [N, H, d]`` (chunks concatenated, chunk
     ``i`` = rows ``cu[i]:cu[i+1]``; strided views allowed), ``block_table [kp, G, W]``, ``head_lens [kp, H]``
-    (slot order, before the chunk). Returns ``out [N, Hq, d]`` and the base-2 LSE ``[Hq, N]`` (fp32)."""
+    (slot order, before the chunk). Returns ``out [N, Hq, d]`` and the base-2 LSE ``[Hq, N]`` (fp32; written
+    into ``lse`` if given, e.g. a layer's row of a step's stacked LSE)."""
     N, Hq, d = q.shape
     H = k.shape[1]
     kp = head_lens.shape[0]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty((N, Hq, d), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((Hq, N), device=q.device, dtype=torch.float32)
+    if lse is None:
+        lse = torch.empty((Hq, N), device=q.device, dtype=torch.float32)
     if not runs_triton(q):
         from tangram.kernels.prefill import prefill_attention
 
@@ -644,32 +676,93 @@ def snapkv_compress(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_p
                               page_size=page_size, heads_per_group=heads_per_group, pool_kernel=1, kept=kept)
     if kp == 0 or N == 0:
         return kept
-    sc = torch.empty((kp, H, CS), device=q.device, dtype=torch.float32)
-    dst = torch.empty((kp, H, CS), device=q.device, dtype=torch.int64)
-    cnt = _counters(q.device, kp * H)
+    # one layer: the stacked launch with a layer axis of 1 (every layer stride 0)
+    _compress_launch(q[None], k[None], v[None], lse[None], cu, max_chunk, counts[:, None], kv_pool[None],
+                     block_table[:, None], head_lens[:, None], slot_to_head[None], kept[:, None], page_size=page_size,
+                     heads_per_group=heads_per_group, window=window, pool_kernel=pool_kernel, scale=scale, width=CS,
+                     block_t=block_t, block_c=block_c, num_warps=num_warps, copy=copy, copy_block=copy_block,
+                     _phases=_phases)
+    return kept
+
+
+def snapkv_compress_layers(q, k, v, lse, cu: torch.Tensor, max_chunk: int, counts, kv_pool, block_table, head_lens,
+                           slot_to_head, *, page_size: int, heads_per_group: int, window: int, pool_kernel: int,
+                           sm_scale: float | None = None, width: int | None = None,
+                           kept: torch.Tensor | None = None, block_t: int = 64, block_c: int | None = None,
+                           num_warps: int = 8, copy_block: int = 32) -> torch.Tensor:
+    """:func:`snapkv_compress` of the same chunks at every layer of a step in one launch (plus one copy launch):
+    the fixed cost of a launch and the serial tail of each head's selection are paid once for all layers, not
+    once per layer (at 512-token chunks they are most of the compression's time). Valid because a chunk's own
+    attention never reads the pages its compression writes: the engine runs every layer's attention first.
+
+    Every per-layer input has a leading layer axis (views with any strides, stride 0 allowed): ``q [L, N, Hq,
+    d]``, ``k``/``v [L, N, H, d]``, ``lse [L, Hq, N]``, ``kv_pool [L, pages, 2, Hp, P, d]``, ``slot_to_head [L,
+    H]``; the per-chunk ones have it second: ``counts``/``head_lens [kp, L, H]``, ``block_table [kp, L, G, W]``.
+    Returns the kept counts ``[kp, L, H]`` (``kept``, if given, is filled)."""
+    L, N, Hq, d = q.shape
+    kp, _, H = head_lens.shape
+    CS = score_width(max_chunk) if width is None else int(width)
+    if int(max_chunk) > CS:
+        raise ValueError(f"snapkv_compress_layers: width {CS} is narrower than the longest chunk "
+                         f"({int(max_chunk)} tokens)")
+    if kept is None:
+        kept = torch.empty((kp, L, H), dtype=torch.int32, device=k.device)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    if not runs_triton(q):  # layer by layer (the reference path)
+        for l in range(L):
+            kl = kept[:, l].clone()
+            snapkv_compress(q[l], k[l], v[l], lse[l], cu, max_chunk, counts[:, l], kv_pool[l], block_table[:, l],
+                            head_lens[:, l], slot_to_head[l], page_size=page_size, heads_per_group=heads_per_group,
+                            window=window, pool_kernel=pool_kernel, sm_scale=sm_scale, width=CS, kept=kl)
+            kept[:, l] = kl
+        return kept
+    if kp == 0 or N == 0 or L == 0:
+        return kept
+    _compress_launch(q, k, v, lse, cu, max_chunk, counts, kv_pool, block_table, head_lens, slot_to_head, kept,
+                     page_size=page_size, heads_per_group=heads_per_group, window=window, pool_kernel=pool_kernel,
+                     scale=scale, width=CS, block_t=block_t, block_c=block_c, num_warps=num_warps, copy="parallel",
+                     copy_block=copy_block, _phases=3)
+    return kept
+
+
+def _compress_launch(q, k, v, lse, cu, max_chunk, counts, kv_pool, block_table, head_lens, slot_to_head, kept, *,
+                     page_size, heads_per_group, window, pool_kernel, scale, width, block_t, block_c, num_warps,
+                     copy, copy_block, _phases):
+    """The launches of :func:`snapkv_compress_layers` (layer-stacked arguments, see there)."""
+    L, N, Hq, d = q.shape
+    kp, _, H = head_lens.shape
+    gq = Hq // H
+    CS = int(width)
+    n = L * kp
+    sc = torch.empty((n, H, CS), device=q.device, dtype=torch.float32)
+    dst = torch.empty((n, H, CS), device=q.device, dtype=torch.int64)
+    cnt = _counters(q.device, n * H)
     gq_p2 = triton.next_power_of_2(gq)
     w_block = max(16 // gq_p2 if gq_p2 < 16 else 1, triton.next_power_of_2(window))
-    grid = (H, triton.cdiv(int(max_chunk), block_t), kp)
+    grid = (H, triton.cdiv(int(max_chunk), block_t), n)
     _snapkv_compress_kernel[grid](
         q, k, v, lse, cu, counts, head_lens, slot_to_head, block_table, kv_pool, kept, sc, dst, cnt,
-        window, scale * LOG2E, 1.0 / (window * gq), block_table.shape[2],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), lse.stride(0),
-        counts.stride(0), head_lens.stride(0), block_table.stride(0), block_table.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kept.stride(0),
+        window, scale * LOG2E, 1.0 / (window * gq), block_table.shape[3],
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), lse.stride(1),
+        counts.stride(0), head_lens.stride(0), block_table.stride(0), block_table.stride(2),
+        kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3), kv_pool.stride(4), kept.stride(0),
         sc.stride(0), sc.stride(1), H,
+        kp, q.stride(0), k.stride(0), v.stride(0), lse.stride(0), counts.stride(1), head_lens.stride(1),
+        block_table.stride(1), kv_pool.stride(0), kept.stride(1), slot_to_head.stride(0),
         HP=heads_per_group, GQ=gq, GQ_P2=gq_p2, W_BLOCK=w_block, D=d, P=page_size, C_BLOCK=CS, BLOCK_T=block_t,
         BLOCK_C=block_c or max(16, 16384 // d), POOL=pool_kernel, IEEE=q.dtype == torch.float32,
         num_warps=num_warps, PHASES=min(_phases, 2) if copy == "parallel" else _phases,
     )
     if copy == "parallel" and _phases >= 3:
-        _copy_selected_kernel[(H, triton.cdiv(int(max_chunk), copy_block), kp)](
+        _copy_selected_kernel[(H, triton.cdiv(int(max_chunk), copy_block), n)](
             k, v, cu, counts, slot_to_head, kv_pool, dst,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), counts.stride(0), kv_pool.stride(1), dst.stride(0),
+            k.stride(1), k.stride(2), v.stride(1), v.stride(2), counts.stride(0), kv_pool.stride(2), dst.stride(0),
             dst.stride(1),
+            kp, k.stride(0), v.stride(0), counts.stride(1), kv_pool.stride(0), slot_to_head.stride(0),
             D=d, BLOCK_T=copy_block, num_warps=4,
         )
-    return kept
 
 
-__all__ = ["prefill_attention_varlen", "snapkv_scores_varlen", "select_scatter", "snapkv_compress", "pool_scores",
+__all__ = ["prefill_attention_varlen", "snapkv_scores_varlen", "select_scatter", "snapkv_compress",
+           "snapkv_compress_layers", "pool_scores",
            "global_keep_counts", "score_width"]

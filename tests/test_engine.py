@@ -416,8 +416,10 @@ def _one_session(cfg, model, eng, prof, n, opts=None):
 @pytest.mark.interpret
 @pytest.mark.parametrize("method", ["pyramidkv"])
 def test_fused_snapkv_path_equals_the_unfused_one(tiny, monkeypatch, method):
-    """SnapKV/PyramidKV chunks longer than the window compress in one launch (interpreted Triton kernel here):
-    the same kept counts, pages and generated tokens as the unfused score + finish + select launches."""
+    """SnapKV/PyramidKV chunks longer than the window compress in one launch (interpreted Triton kernel here),
+    every layer's at once after the last layer (deferred) or layer by layer when the step's stacked projections
+    would pass DEFER_COMPRESS_MAX_BYTES: the same kept counts, pages and generated tokens as the unfused score +
+    finish + select launches."""
     import tangram.engine.executor as ex
     from tangram.budgets import BudgetProfile
 
@@ -425,22 +427,33 @@ def test_fused_snapkv_path_equals_the_unfused_one(tiny, monkeypatch, method):
     L, H = cfg.num_layers, cfg.num_kv_heads
     mu = 0.3 + 0.5 * np.random.default_rng(1).permutation(L * H).reshape(L, H) / (L * H)
     prof = BudgetProfile(mu, np.zeros_like(mu), 0.0, 0.97, method, cfg.name)
-    calls = []
-    real = ex.snapkv_compress
-    monkeypatch.setattr(ex, "snapkv_compress", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = {"layer": 0, "step": 0}
+    one, every = ex.snapkv_compress, ex.snapkv_compress_layers
+
+    def count(key, real):
+        def f(*a, **kw):
+            calls[key] += 1
+            return real(*a, **kw)
+        return f
+    monkeypatch.setattr(ex, "snapkv_compress", count("layer", one))
+    monkeypatch.setattr(ex, "snapkv_compress_layers", count("step", every))
     runs = []
-    for fused in (True, False):
+    for fused, limit in ((True, ex.DEFER_COMPRESS_MAX_BYTES), (True, 0), (False, ex.DEFER_COMPRESS_MAX_BYTES)):
+        calls.update(layer=0, step=0)
+        monkeypatch.setattr(ex, "DEFER_COMPRESS_MAX_BYTES", limit)
         monkeypatch.setattr(ex.Executor, "_fused_snapkv", lambda self, st, f=fused: f and
                             int(st["pf_tokens"].min()) > self.score_params.window)
         eng = engine("tangram", score_method=method, kv_pool_bytes=400_000)
         exe, sched, realized = _one_session(cfg, model, eng, prof, 29, ExecutorOptions(score_window=4))
         runs.append((realized, list(exe.streams["s"])))
-        if fused:
-            assert len(calls) == 2 * L  # chunks of 16 + 13 tokens, every layer
-    assert [r[0] for r in runs[0][0]] == [r[0] for r in runs[1][0]]
-    for (c0, k0), (c1, k1) in zip(runs[0][0], runs[1][0]):
-        assert np.array_equal(np.asarray(k0), np.asarray(k1))
-    assert runs[0][1] == runs[1][1]
+        # chunks of 16 + 13 tokens: two steps of every layer
+        assert calls == ({"layer": 0, "step": 2} if fused and limit else
+                         {"layer": 2 * L, "step": 0} if fused else {"layer": 0, "step": 0})
+    for other in runs[1:]:
+        assert [r[0] for r in runs[0][0]] == [r[0] for r in other[0]]
+        for (c0, k0), (c1, k1) in zip(runs[0][0], other[0]):
+            assert np.array_equal(np.asarray(k0), np.asarray(k1))
+        assert runs[0][1] == other[1]
 
 
 @pytest.mark.parametrize("method,window", [("ada-snapkv", 32), ("ada-snapkv", 4), ("pyramidkv", 32),

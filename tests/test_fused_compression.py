@@ -118,3 +118,56 @@ def test_a_score_row_narrower_than_the_chunk_is_refused():
                         heads_per_group=2, window=8, pool_kernel=1, width=64)
     with pytest.raises(ValueError, match="narrower than the longest chunk"):
         snapkv_scores_varlen(q, k, lse, cu, 70, h2s, window=8, width=64)
+
+
+@pytest.mark.parametrize("shared_pool", [True, False])
+def test_every_layer_in_one_launch_equals_the_layer_by_layer_launches(shared_pool):
+    """snapkv_compress_layers (the engine's deferred compression of a step: every layer's chunks in one launch)
+    writes the same pages and kept counts as one snapkv_compress per layer, bit for bit. Both layer layouts: the
+    ragged one (one pool, per-layer tables; pool layer stride 0) and the uniform one (a pool per layer, one
+    table for every layer; table layer stride 0)."""
+    from tangram.kernels.compress import snapkv_compress_layers
+
+    g = torch.Generator().manual_seed(11)
+    L, H, gq, Hp, cs, cached = 3, 4, 2, 2, (30, 70, 12), (0, 9, 30)
+    kp, N, G, W = len(cs), sum(cs), H // Hp, 32
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(cs)]), dtype=torch.int32)
+    qkv = torch.randn(L, N, (H * gq + 2 * H) * D, generator=g)
+    q = qkv[..., :H * gq * D].view(L, N, H * gq, D)
+    k = qkv[..., H * gq * D:(H * gq + H) * D].view(L, N, H, D)
+    v = qkv[..., (H * gq + H) * D:].view(L, N, H, D)
+    s2h = torch.stack([torch.randperm(H, generator=g) for _ in range(L)]).to(torch.int32)
+    lens = torch.tensor([[[max(0, c - 2 * s - l) for s in range(H)] for l in range(L)] for c in cached],
+                        dtype=torch.int32)  # [kp, L, H]
+    counts = torch.stack([torch.randint(0, c + 3, (L, H), generator=g) for c in cs]).to(torch.int32)
+    if shared_pool:
+        pool = torch.randn(kp * L * G * W + 4, 2, Hp, P, D, generator=g)
+        tables = torch.randperm(pool.shape[0], generator=g)[:kp * L * G * W].view(kp, L, G, W).to(torch.int32)
+        stacked = lambda p: p.expand(L, *p.shape)  # noqa: E731 (every layer's view is the one pool)
+        layer_pool = lambda p, l: p  # noqa: E731
+    else:
+        pool = torch.randn(kp * G * W + 4, L, 2, Hp, P, D, generator=g)
+        tables = torch.randperm(pool.shape[0], generator=g)[:kp * G * W].view(kp, 1, G, W).to(torch.int32)
+        tables = tables.expand(kp, L, G, W)
+        stacked = lambda p: p.permute(1, 0, 2, 3, 4, 5)  # noqa: E731
+        layer_pool = lambda p, l: p[:, l]  # noqa: E731
+    lse = torch.empty(L, H * gq, N)
+    for l in range(L):
+        _, lse[l] = prefill_attention_varlen(q[l], k[l], v[l], cu, max(cs), layer_pool(pool, l), tables[:, l],
+                                             lens[:, l], torch.argsort(s2h[l].long()).to(torch.int32), page_size=P,
+                                             heads_per_group=Hp)
+    kw = dict(page_size=P, heads_per_group=Hp, window=8, pool_kernel=5, block_t=16, block_c=16, copy_block=8)
+    one = pool.clone()
+    kept1 = torch.full((kp, L, H), -7, dtype=torch.int32)
+    snapkv_compress_layers(q, k, v, lse, cu, max(cs), counts, stacked(one), tables, lens, s2h, kept=kept1, **kw)
+    each = pool.clone()
+    kept2 = torch.full((kp, L, H), -7, dtype=torch.int32)
+    for l in range(L):
+        kl = torch.empty((kp, H), dtype=torch.int32)
+        snapkv_compress(q[l], k[l], v[l], lse[l], cu, max(cs), counts[:, l].contiguous(), layer_pool(each, l),
+                        tables[:, l], lens[:, l].contiguous(), s2h[l], kept=kl, **kw)
+        kept2[:, l] = kl
+    assert torch.equal(kept1, kept2)
+    assert torch.equal(kept1, torch.minimum(counts, torch.tensor(cs, dtype=torch.int32)[:, None, None]))
+    assert torch.equal(one, each)
+    assert not torch.equal(one, pool)  # something was written

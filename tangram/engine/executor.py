@@ -68,8 +68,8 @@ from tangram.engine.split_table import AotSplitTable
 from tangram.errors import ConfigError
 from tangram.kernels import (
     add_rms_norm, global_keep_counts, launch_decode, prefill_attention_varlen, rms_norm, rope_qkv,
-    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_compress, snapkv_scores_varlen,
-    static_split_decode,
+    runtime_plan_schedules, score_width, select_scatter, silu_mul, snapkv_compress, snapkv_compress_layers,
+    snapkv_scores_varlen, static_split_decode,
 )
 from tangram.kernels.decode import DEFAULT_CONFIG, DecodeConfig, kernel_resources
 from tangram.kernels.scoring import ScoreParams, engine_chunk_scores, method_spec, snapkv_finish_batched
@@ -184,6 +184,12 @@ class TokenSource:
 # vs 38.9 ... 31.2 vs 50.6); with the copy left to the selecting program (one launch) it was 27.3, 44.8, 88.0 and
 # 167.8 us, which is why the limit was 1024 before.
 FUSED_COMPRESS_MAX_CHUNK = 4096
+# ... and every layer's chunks in one launch after the last layer (snapkv_compress_layers: the launch cost and each
+# head's serial selection tail paid once a step instead of once a layer; a chunk's attention never reads the pages
+# its compression writes) when the step's stacked qkv projections and LSE, kept until then, take at most this many
+# bytes (Llama-3.1-8B: 32 layers x 12 KiB a row, ~680 rows; SmolLM2-135M: 30 x 1.9 KiB, ~4,600); otherwise layer by
+# layer. Well inside the engine's activation reserve (EngineConfig.activation_reserve_bytes, 2 GiB by default).
+DEFER_COMPRESS_MAX_BYTES = 256 * 2**20
 
 @dataclass
 class ExecutorOptions:
@@ -563,7 +569,14 @@ class Executor:
         for l in range(lo, hi):
             layer = layers[l]
             a, mlp = layer.self_attn, layer.mlp
-            qkv = F.linear(h, a._qkv, a._qkv_bias)
+            if "stash_qkv" in st:  # deferred compression reads every layer's q/k/v after the last layer
+                qkv = st["stash_qkv"][l]
+                if a._qkv_bias is None:
+                    torch.mm(h, a._qkv.t(), out=qkv)
+                else:
+                    torch.addmm(a._qkv_bias, h, a._qkv.t(), out=qkv)
+            else:
+                qkv = F.linear(h, a._qkv, a._qkv_bias)
             ops.start("kv_write")
             kw = {}
             if kd:
@@ -637,12 +650,47 @@ class Executor:
             st["realized"] = torch.zeros((kp, L, H), dtype=torch.int32, device=self.device)
             if self.retention == "global" and "keep" not in arrays and self.layer_rho is None:
                 st["deferred"] = []  # cross-layer: (pooled scores, k, v, tables, lens) per layer
+            elif "keep" in st and self._fused_snapkv(st):
+                self._stash_for_deferred_compression(st, len(ids), kd)
         h = self._layers(st["tok"], st["pos"], st)
         if "deferred" in st:
             ops.start("compression")
             self._cross_layer_select(st)
             ops.stop("compression")
+        elif "stash_qkv" in st:
+            ops.start("compression")
+            self._deferred_compress(st)
+            ops.stop("compression")
         return h.index_select(0, st["rows"]), st, host_plan_s
+
+    def _stash_for_deferred_compression(self, st: dict, n_rows: int, kd: int) -> None:
+        """Buffers for every layer's qkv projection and prefill LSE of the step, when they fit
+        DEFER_COMPRESS_MAX_BYTES: their compression then runs once after the last layer (:meth:`_deferred_compress`)."""
+        L, Hq = self.cfg.num_layers, self.cfg.num_q_heads
+        w = self.model.model.layers[0].self_attn._qkv
+        n_pf = n_rows - kd
+        need = L * n_rows * w.shape[0] * w.element_size() + L * Hq * n_pf * 4
+        if need > DEFER_COMPRESS_MAX_BYTES:
+            return
+        st["stash_qkv"] = torch.empty((L, n_rows, w.shape[0]), dtype=w.dtype, device=self.device)
+        st["stash_lse"] = torch.empty((L, Hq, n_pf), dtype=torch.float32, device=self.device)
+
+    def _deferred_compress(self, st: dict) -> None:
+        """SnapKV compression of the step's chunks at every layer in one launch (plus its copy launch), from the
+        stacked projections (RoPE applied in place) and LSE the layer loop left."""
+        qkv = st.pop("stash_qkv")
+        q0, k0, v0 = st.pop("stash_views")  # layer 0's prefill rows: the same offsets and strides in every layer
+
+        def stacked(t):
+            return torch.as_strided(qkv, (qkv.shape[0], *t.shape), (qkv.stride(0), *t.stride()), t.storage_offset())
+
+        P = self.score_params
+        width = score_width(max(self.engine.chunk_size, st["max_chunk"]))
+        snapkv_compress_layers(stacked(q0), stacked(k0), stacked(v0), st.pop("stash_lse"), st["cu"], st["max_chunk"],
+                               st["keep"], self.cache.stacked_pool(), self.cache.stacked_tables(st["pf_tables"]),
+                               st["pf_lens"], self.cache.slot_to_head, page_size=self.P, heads_per_group=self.hp,
+                               window=P.window, pool_kernel=P.kernel, sm_scale=self.scale, width=width,
+                               kept=st["realized"])
 
     def _forward_graph(self, plan: StepPlan, ids, pos, src=None,
                        prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -859,8 +907,13 @@ class Executor:
         h2s, s2h = self.cache.head_to_slot[l], self.cache.slot_to_head[l]
         ops.start("prefill_attention")
         _, lse = prefill_attention_varlen(q, k, v, cu, cmax, pool, tables, lens, h2s, page_size=self.P,
-                                          heads_per_group=self.hp, out=out)
+                                          heads_per_group=self.hp, out=out,
+                                          lse=st["stash_lse"][l] if "stash_lse" in st else None)
         ops.stop("prefill_attention")
+        if "stash_qkv" in st:  # compressed after the last layer, every layer at once (_deferred_compress)
+            if "stash_views" not in st:
+                st["stash_views"] = (q, k, v)
+            return
         ops.start("compression")
         kw = dict(page_size=self.P, heads_per_group=self.hp)
         if self.retention == "full":

@@ -45,6 +45,18 @@ class KVCache:
     def layer_pool(self, layer: int) -> torch.Tensor:
         return self.pool if self.layout.ragged else self.pool[:, layer]
 
+    def stacked_pool(self) -> torch.Tensor:
+        """Every layer's :meth:`layer_pool` as one ``[L, ...]`` view (ragged: the one pool, layer stride 0)."""
+        L = self.layout.num_layers
+        return self.pool.expand(L, *self.pool.shape) if self.layout.ragged else self.pool.transpose(0, 1)
+
+    def stacked_tables(self, tables: torch.Tensor) -> torch.Tensor:
+        """Every layer's :meth:`layer_table` of the step's ``[B, T, cap]`` rows as one ``[B, L, G, cap]`` view."""
+        B, L = tables.shape[0], self.layout.num_layers
+        if self.layout.ragged:
+            return tables.view(B, L, self.G, tables.shape[2])
+        return tables[:, None].expand(B, L, *tables.shape[1:])  # T = 1 = G: one table for every layer
+
     def tables(self, pages: np.ndarray) -> torch.Tensor:
         """Block-table rows ``[B, T, cap]`` (int32, -1 = no page) to the device in one copy."""
         return self.to_device(np.asarray(pages, dtype=np.int32))

@@ -81,3 +81,54 @@ def test_fused_compression_equals_unfused_launches_on_the_gpu(shape, dtype, copy
                 assert gap < 1e-5, (trial, cs, i, slot, cnt, gap)
                 near_ties.append(gap)
     print(f"heads that differ from the unfused launches at a near-tie: {len(near_ties)}, gaps {near_ties}")
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 1, 128), (3, 3, 1, 64), (3, 3, 3, 64)])  # Llama, SmolLM2
+def test_every_layer_in_one_launch_equals_the_layer_by_layer_launches_on_the_gpu(shape):
+    """snapkv_compress_layers (the engine's deferred compression: every layer's chunks of a step in one launch,
+    the arrival counters indexed by layer x chunk) writes the pages and kept counts of one snapkv_compress per
+    layer, bit for bit (same scores, same order of summation), and leaves the counters at zero."""
+    from tangram.kernels import compress as cmp
+
+    H, gq, Hp, d = shape
+    P, window, kernel, L = 16, 32, 7, 5
+    seed = int.from_bytes(__import__("os").urandom(4), "little")
+    print("seed", seed)
+    rng = np.random.default_rng(seed)
+    for trial in range(3):
+        cs = [max(int(x), window + 1) for x in rng.choice([512, 513, 1000, 77], size=int(rng.integers(1, 4)))]
+        cached = [int(x) for x in rng.choice([0, 100, 4096], size=len(cs))]
+        layers = [_case(rng, H, gq, Hp, d, P, cs, cached, torch.bfloat16) for _ in range(L)]
+        cu = layers[0][0]
+        kp = len(cs)
+        c_t = torch.tensor(cs, dtype=torch.int32, device="cuda")
+        # one pool for every layer (ragged layout): each layer's tables point into its own part of it
+        sizes = [x[1].shape[0] for x in layers]
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        pool = torch.cat([x[1] for x in layers])
+        W = layers[0][2].shape[2]
+        tables = torch.stack([x[2] + int(offs[li]) for li, x in enumerate(layers)], dim=1)  # [kp, L, G, W]
+        s2h = torch.stack([x[3] for x in layers])
+        lens = torch.stack([x[4] for x in layers], dim=1).contiguous()
+        q, k, v = (torch.stack([x[j] for x in layers]) for j in (5, 6, 7))
+        lse = torch.stack([cmp.prefill_attention_varlen(
+            x[5], x[6], x[7], cu, max(cs), pool, tables[:, li], lens[:, li], torch.argsort(x[3].long()).to(torch.int32),
+            page_size=P, heads_per_group=Hp)[1] for li, x in enumerate(layers)])
+        counts = (torch.rand(kp, L, H, device="cuda") * (c_t[:, None, None] + 8)).to(torch.int32)
+        one, each = pool.clone(), pool.clone()
+        kept = torch.full((kp, L, H), -7, dtype=torch.int32, device="cuda")
+        cmp.snapkv_compress_layers(q, k, v, lse, cu, max(cs), counts, one.expand(L, *one.shape), tables, lens, s2h,
+                                   page_size=P, heads_per_group=Hp, window=window, pool_kernel=kernel, kept=kept)
+        kept_each = torch.empty_like(kept)
+        for li in range(L):
+            kl = torch.empty((kp, H), dtype=torch.int32, device="cuda")
+            cmp.snapkv_compress(q[li], k[li], v[li], lse[li], cu, max(cs), counts[:, li].contiguous(), each,
+                                tables[:, li], lens[:, li].contiguous(), s2h[li], page_size=P, heads_per_group=Hp,
+                                window=window, pool_kernel=kernel, kept=kl)
+            kept_each[:, li] = kl
+        torch.cuda.synchronize()
+        assert W == tables.shape[3]
+        assert torch.equal(kept, kept_each), trial
+        assert torch.equal(kept, torch.minimum(counts, c_t[:, None, None])), trial
+        assert torch.equal(one, each), (trial, cs)
+        assert int(cmp._counters(q.device, kp * L * H).abs().sum()) == 0
