@@ -27,6 +27,12 @@ runs on the GPU by ``python -m tangram.sim.fit_engine``, which writes them to ``
 the GPU's calibration folder, per model, with provenance. They describe this engine on that machine (its host
 CPU included). A weak prior (:data:`SCALE_PRIOR`) holds each scale at 1 unless the steps say otherwise, so a scale
 the steps cannot tell from a constant stays the tables' own and transfers with them to another GPU.
+
+Opt-in terms (:data:`EXTRA`, fitted only when asked for, 0 otherwise): a graphed step adds ``graph_row_s * kd +
+graph_table_row_s * kd * tables`` and an eager one ``table_token_s * prefill_tokens * tables``, ``tables`` the page
+tables per row (``KVLayout.n_tables``). They fit the recorded H100 calibrations' steps better but did not make the
+fit transfer better to the other measured machines, so the shipped fit does without them
+(reports/transfer/device_validation/README.md, "Opt-in terms").
 """
 from __future__ import annotations
 
