@@ -296,7 +296,8 @@ class CostModel:
             terms = kernel_terms(br)
             br["engine_overhead"] = float(self.overhead.step_s(terms, self.model.num_layers, kd, kp, self.compress,
                                                                self.partition == "aot",
-                                                               self.engine.decode_graphed(kd, kp))) \
+                                                               self.engine.decode_graphed(kd, kp),
+                                                               self.layout.n_tables, tokens - kd)) \
                 - sum(terms.values())
         br["host"] = self._host(plan.counters)
         return StepResult(plan.step, float(sum(br.values())), br, realized)
@@ -352,7 +353,9 @@ class CostModel:
             terms = kernel_terms(br)
             br["engine_overhead"] = np.asarray(
                 self.overhead.step_s(terms, self.model.num_layers, kd, kp, self.compress, self.partition == "aot",
-                                     self.engine.decode_graphed(kd, kp)), dtype=np.float64) - sum(terms.values())
+                                     self.engine.decode_graphed(kd, kp), self.layout.n_tables,
+                                     tokens - kd if kp.any() else 0),
+                dtype=np.float64) - sum(terms.values())
         br["host"] = np.broadcast_to(np.asarray(self._host(run.counters()), dtype=np.float64), (k,))
         return RunResult(sum(br.values()), br, caches)
 

@@ -27,6 +27,12 @@ runs on the GPU by ``python -m tangram.sim.fit_engine``, which writes them to ``
 the GPU's calibration folder, per model, with provenance. They describe this engine on that machine (its host
 CPU included). A weak prior (:data:`SCALE_PRIOR`) holds each scale at 1 unless the steps say otherwise, so a scale
 the steps cannot tell from a constant stays the tables' own and transfers with them to another GPU.
+
+Opt-in terms (:data:`EXTRA`, fitted only when asked for, 0 otherwise): a graphed step adds ``graph_row_s * kd +
+graph_table_row_s * kd * tables`` and an eager one ``table_token_s * prefill_tokens * tables``, ``tables`` the page
+tables per row (``KVLayout.n_tables``). They fit the recorded H100 calibrations' steps better but did not make the
+fit transfer better to the other measured machines, so the shipped fit does without them
+(reports/transfer/device_validation/README.md, "Opt-in terms").
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ TERM_KEYS = {"dense": (("gemm", "elementwise"), ("dense", "lm_head_sampling", "k
              "decode_attention": (("decode_attention",), ("decode_attention",))}
 TERMS = tuple(TERM_KEYS)
 COEFFS = ("layer_s", "decode_layer_s", "aot_decode_layer_s", "prefill_chunk_layer_s", "compress_chunk_layer_s",
-          "row_s", "sync_s", "graph_s", "kernel_scale", "prefill_scale", "compress_scale", "decode_scale",
+          "row_s", "sync_s", "graph_s", "graph_row_s", "graph_table_row_s", "table_token_s", "kernel_scale", "prefill_scale", "compress_scale", "decode_scale",
           "graph_scale")
 ONE_OFF = 2.0  # a step this many times slower than its fitted time is a one-off, left out of the fit
 # Weight of the prior that pulls each scale toward 1 (the tables' own time), per step, in the units of the weighted
@@ -59,7 +65,12 @@ ONE_OFF = 2.0  # a step this many times slower than its fitted time is a one-off
 # 2026-11-24: graph_scale 0.18 + graph_s 5.2 ms), which prices another GPU's faster kernels as barely faster.
 SCALE_PRIOR = 0.02
 _PER_LAYER = 5  # the first five coefficients are per layer
-_SECONDS = 8  # ... and the first eight are seconds; the rest are scales
+_SECONDS = 11  # ... and the first eleven are seconds; the rest are scales
+# Terms a fit leaves at 0 unless asked for (``fit(extra=...)``, ``tangram-fit-engine --extra-terms``): added after the
+# 2026-11-25 fits, they did not earn a place in the shipped fit (reports/transfer/device_validation/README.md)
+EXTRA = ("graph_row_s", "graph_table_row_s", "table_token_s")
+# seconds per (row x page table) and per (prefill token x page table): unknowns in these fractions of the median step
+_PER_TABLE = {"graph_table_row_s": 1e-2, "table_token_s": 1e-6}
 _TERM_SCALE = {"dense": "kernel_scale", "prefill_attention": "prefill_scale", "compression": "compress_scale",
                "decode_attention": "decode_scale"}
 
@@ -89,6 +100,15 @@ class EngineOverhead:
     # priced an eager decode step of 65 rows at ~10x the graphed 64-row step and a mixed step of 64 decode rows +
     # a 512-token chunk at 142-153 ms, where the engine measured 35-85 ms (reports/engine/roofline, "Mixed steps").
     rows_max: float | None = None
+    # A graphed decode step's per-row host work (its rows' inputs gathered, uploaded and their samples recorded in
+    # Python, which the GPU waits through when the step is a few ms), and per (row x page table) (the rows' block
+    # tables gathered into the graph's static buffer: ``tables`` per row, 1 for a monolithic page). 0: not fitted
+    # (files fitted before these terms).
+    graph_row_s: float = 0.0
+    graph_table_row_s: float = 0.0
+    # An eager step's work per (prefill token x page table) that no kernel term carries (the chunk's kept tokens
+    # written into each of its rows' tables: at H_p 1 a row has 256 tables), added after the issue/kernel overlap.
+    table_token_s: float = 0.0
 
     def __post_init__(self):
         for k in ("prefill_scale", "compress_scale", "decode_scale", "graph_scale"):
@@ -104,27 +124,35 @@ class EngineOverhead:
             rows = np.minimum(rows, self.rows_max)
         return num_layers * per_layer + self.row_s * rows
 
-    def step_s(self, kernels, num_layers: int, kd, kp, compress, aot=False, graphed=False):
+    def step_s(self, kernels, num_layers: int, kd, kp, compress, aot=False, graphed=False, tables=1, ptokens=0):
         """Executor seconds of a step whose kernels take ``kernels`` seconds by the tables: a mapping of
         :data:`TERMS` to seconds (arrays broadcast), or one total priced as the dense term. ``graphed``: a decode
-        step replayed from a CUDA graph, whose launches are not issued from Python."""
+        step replayed from a CUDA graph, whose launches are not issued from Python. ``tables``: page tables per
+        row (``KVLayout.n_tables``: layers x groups with ragged paging, else 1); ``ptokens``: prefill tokens."""
         if not isinstance(kernels, dict):
             kernels = {"dense": kernels}
         unknown = set(kernels) - set(TERMS)
         if unknown:
             raise ConfigError(f"engine overhead: unknown kernel terms {sorted(unknown)} (known: {TERMS})")
-        if type(kd) is int and type(kp) is int and all(type(v) is float for v in kernels.values()):
-            return self._step_s_one(kernels, num_layers, kd, kp, compress, aot, graphed)
+        if (type(kd) is int and type(kp) is int and type(tables) is int and type(ptokens) is int
+                and all(type(v) is float for v in kernels.values())):
+            return self._step_s_one(kernels, num_layers, kd, kp, compress, aot, graphed, tables, ptokens)
         k = sum(getattr(self, _TERM_SCALE[t]) * np.asarray(v, dtype=np.float64) for t, v in kernels.items())
         g = self.graph_scale * sum(np.asarray(v, dtype=np.float64) for v in kernels.values())
-        eager = np.maximum(k, self.issue_s(num_layers, kd, kp, compress, aot)) + self.sync_s
-        return np.where(np.asarray(graphed, bool), g + self.graph_s, eager)
+        tables = np.asarray(tables, np.float64)
+        eager = (np.maximum(k, self.issue_s(num_layers, kd, kp, compress, aot)) + self.sync_s
+                 + self.table_token_s * (np.asarray(ptokens, np.float64) * tables))
+        kd = np.asarray(kd, dtype=np.float64)
+        g = g + self.graph_s + self.graph_row_s * kd + self.graph_table_row_s * (kd * tables)
+        return np.where(np.asarray(graphed, bool), g, eager)
 
-    def _step_s_one(self, kernels: dict, num_layers: int, kd: int, kp: int, compress, aot, graphed) -> float:
+    def _step_s_one(self, kernels: dict, num_layers: int, kd: int, kp: int, compress, aot, graphed,
+                    tables: int = 1, ptokens: int = 0) -> float:
         """:meth:`step_s` of one step (Python floats: numpy's per-call overhead was most of a step's pricing), the
         same operations in the same order, so the same value bit for bit."""
         if bool(graphed):
-            return self.graph_scale * sum(kernels.values()) + self.graph_s
+            return (self.graph_scale * sum(kernels.values()) + self.graph_s + self.graph_row_s * float(kd)
+                    + self.graph_table_row_s * (float(kd) * float(tables)))
         k = sum(getattr(self, _TERM_SCALE[t]) * v for t, v in kernels.items())
         per_layer = (self.layer_s + (self.decode_layer_s + self.aot_decode_layer_s * float(bool(aot))) * (kd > 0)
                      + (self.prefill_chunk_layer_s + self.compress_chunk_layer_s * float(bool(compress))) * float(kp))
@@ -132,16 +160,20 @@ class EngineOverhead:
         if self.rows_max is not None:
             rows = min(rows, float(self.rows_max))
         issue = num_layers * per_layer + self.row_s * rows
-        return max(k, issue) + self.sync_s
+        return max(k, issue) + self.sync_s + self.table_token_s * (float(ptokens) * float(tables))
 
     def coefficients(self) -> dict[str, float]:
         return {k: float(getattr(self, k)) for k in COEFFS}
 
 
 def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
-        graphed=False) -> tuple[EngineOverhead, dict]:
+        graphed=False, tables=1, ptokens=0, fixed: dict | None = None,
+        extra: tuple = ()) -> tuple[EngineOverhead, dict]:
     """Least-squares fit of the coefficients to measured executor seconds per step; returns the fit stats.
-    ``kernels``: per-step table seconds, a mapping of :data:`TERMS` or one total (the dense term).
+    ``kernels``: per-step table seconds, a mapping of :data:`TERMS` or one total (the dense term); ``tables``: each
+    step's page tables per row, ``ptokens`` its prefill tokens. ``extra``: which of :data:`EXTRA` to fit (the others
+    are held at 0). ``fixed``: coefficients held at the values given (a fit made elsewhere given only some terms),
+    the others fitted.
 
     Coefficients no step informs (no graphed step: ``graph_s``, ``graph_scale``; no eager one: the issue terms;
     a term that is zero in every eager step: its scale) keep their start value and are reported in
@@ -156,8 +188,17 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
     kd, kp, compress = np.asarray(kd), np.asarray(kp), np.asarray(compress, bool)
     aot = np.broadcast_to(np.asarray(aot, bool), kd.shape)
     graphed = np.broadcast_to(np.asarray(graphed, bool), kd.shape)
-    if measured_s.size < len(COEFFS) * 4:
-        raise ConfigError(f"engine overhead fit: {measured_s.size} steps are too few for {len(COEFFS)} coefficients")
+    tables = np.broadcast_to(np.asarray(tables, np.int64), kd.shape)
+    ptokens = np.broadcast_to(np.asarray(ptokens, np.int64), kd.shape)
+    if set(extra) - set(EXTRA):
+        raise ConfigError(f"engine overhead fit: unknown extra terms {sorted(set(extra) - set(EXTRA))} (known: "
+                          f"{', '.join(EXTRA)})")
+    fixed = {**{c: 0.0 for c in EXTRA if c not in extra}, **(fixed or {})}
+    if set(fixed) - set(COEFFS):
+        raise ConfigError(f"engine overhead fit: unknown fixed coefficients {sorted(set(fixed) - set(COEFFS))}")
+    free = np.array([c not in fixed for c in COEFFS])
+    if measured_s.size < free.sum() * 4:
+        raise ConfigError(f"engine overhead fit: {measured_s.size} steps are too few for {free.sum()} coefficients")
     if not (np.all(measured_s > 0) and all(np.all(v >= 0) for v in kernels.values())):
         raise ConfigError("engine overhead fit: measured step times must be > 0 and predicted kernel times >= 0")
     scale = float(np.median(measured_s))
@@ -165,6 +206,9 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
     # unknowns in units of the median step (per-layer ones also divided by L) so all are O(0.01..1)
     unit = np.array([scale / max(num_layers, 1)] * _PER_LAYER + [scale] * (_SECONDS - _PER_LAYER)
                     + [1.0] * (len(COEFFS) - _SECONDS))
+    for c, u in _PER_TABLE.items():
+        unit[COEFFS.index(c)] = scale * u
+    x_fixed = np.array([fixed.get(c, 0.0) for c in COEFFS]) / unit
 
     # Errors weighted between relative and absolute (divided by sqrt(measured x median)): the many short decode
     # steps all count, and the long prefill steps, which dominate a run's total time, are not drowned out.
@@ -174,30 +218,38 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
     lo = np.array([0.0] * _SECONDS + [0.05] * (len(COEFFS) - _SECONDS))
     hi = np.array([np.inf] * _SECONDS + [4.0] * (len(COEFFS) - _SECONDS))
     keep = np.ones(measured_s.size, bool)
+
+    def coeffs(xf):
+        x = x_fixed.copy()
+        x[free] = xf
+        return EngineOverhead(**dict(zip(COEFFS, x * unit)))
+
     for _ in range(2):
         sub = {t: v[keep] for t, v in kernels.items()}
-        f = (kd[keep], kp[keep], compress[keep], aot[keep], graphed[keep])
+        f = (kd[keep], kp[keep], compress[keep], aot[keep], graphed[keep], tables[keep], ptokens[keep])
 
         prior = SCALE_PRIOR * np.sqrt(keep.sum())
 
-        def resid(x, sub=sub, f=f, prior=prior):
-            data = (EngineOverhead(*(x * unit)).step_s(sub, num_layers, *f) - measured_s[keep]) * w[keep]
-            return np.concatenate([data, prior * (x[_SECONDS:] - 1.0)])
+        def resid(xf, sub=sub, f=f, prior=prior):
+            data = (coeffs(xf).step_s(sub, num_layers, *f) - measured_s[keep]) * w[keep]
+            return np.concatenate([data, prior * (xf[free[:_SECONDS].sum():] - 1.0)])
 
-        sol = least_squares(resid, x0, bounds=(lo, hi), x_scale="jac")
-        ov = EngineOverhead(*(sol.x * unit))
+        sol = least_squares(resid, x0[free], bounds=(lo[free], hi[free]), x_scale="jac")
+        ov = coeffs(sol.x)
         # A step over ONE_OFF x its fitted time paid a one-off (a first-use library or allocator call on a new
         # shape): it is left out of a second fit and reported, so a few such steps do not inflate every step.
-        slow = measured_s > ONE_OFF * ov.step_s(kernels, num_layers, kd, kp, compress, aot, graphed)
+        slow = measured_s > ONE_OFF * ov.step_s(kernels, num_layers, kd, kp, compress, aot, graphed, tables, ptokens)
         if not slow.any() or np.array_equal(~slow, keep):
             break
         keep = ~slow
     unfitted, fix = [], {}
+    graph_extra = [c for c in ("graph_row_s", "graph_table_row_s") if c not in fixed]
     if not graphed.any():
-        unfitted += ["graph_s", "graph_scale"]
-        fix.update(graph_s=ov.sync_s, graph_scale=ov.kernel_scale)
+        unfitted += ["graph_s", *graph_extra, "graph_scale"]
+        fix.update(graph_s=ov.sync_s, graph_scale=ov.kernel_scale, **{c: 0.0 for c in graph_extra})
     if graphed.all():
-        unfitted += [c for c in COEFFS[:_SECONDS] if c != "graph_s"] + ["kernel_scale"]
+        unfitted += [c for c in COEFFS[:_SECONDS] if c not in fixed and c not in ("graph_s", *graph_extra)] \
+            + ["kernel_scale"]
     else:
         eager = ~graphed
         for t, c in _TERM_SCALE.items():
@@ -208,7 +260,7 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
         fix["rows_max"] = float((kd + kp)[~graphed].max())
     if fix:
         ov = dataclasses.replace(ov, **fix)
-    pred = ov.step_s(kernels, num_layers, kd, kp, compress, aot, graphed)
+    pred = ov.step_s(kernels, num_layers, kd, kp, compress, aot, graphed, tables, ptokens)
     err = pred / measured_s - 1.0
     base = total / measured_s - 1.0
     stats = {"steps": int(measured_s.size), "median_abs_rel_err": float(np.median(np.abs(err))),
@@ -220,7 +272,8 @@ def fit(kernels, measured_s, num_layers: int, kd, kp, compress, aot=False,
              "converged": bool(sol.success), "unfitted": unfitted, "graphed_steps": int(graphed.sum()),
              "terms": sorted(kernels), "one_off_steps": int((~keep).sum()),
              "one_off_excess_s": float((measured_s - pred)[~keep].sum()),
-             "eager_rows_max": ov.rows_max}
+             "eager_rows_max": ov.rows_max, "extra_terms": sorted(extra),
+             "held": sorted(c for c in fixed if c not in EXTRA or c in extra)}
     return ov, stats
 
 
@@ -272,11 +325,11 @@ def save(directory: str | Path, model: str, ov: EngineOverhead, stats: dict, pro
     d["formula"] = ("eager: exec_s = max(kernel_scale*dense + prefill_scale*prefill_attention + compress_scale*"
                     "compression + decode_scale*decode_attention, L*(layer_s + (decode_layer_s + "
                     "aot_decode_layer_s*[aot])*[kd>0] + (prefill_chunk_layer_s + compress_chunk_layer_s*[compress])*kp)"
-                    " + row_s*(kd+kp)) + sync_s; graphed decode step: exec_s = graph_scale*(dense + decode_attention)"
-                    " + graph_s")
+                    " + row_s*(kd+kp)) + sync_s + table_token_s*prefill_tokens*tables; graphed decode step: exec_s = graph_scale*(dense + decode_attention)"
+                    " + graph_s + graph_row_s*kd + graph_table_row_s*kd*tables (tables: page tables per row)")
     d["models"][model] = {"coefficients": ov.coefficients(), "fit": stats, **provenance}
     p.write_text(json.dumps(d, indent=1, sort_keys=True) + "\n")
     return p
 
 
-__all__ = ["EngineOverhead", "fit", "load", "save", "FILENAME", "COEFFS", "TERMS", "TERM_KEYS"]
+__all__ = ["EngineOverhead", "fit", "load", "save", "FILENAME", "COEFFS", "EXTRA", "TERMS", "TERM_KEYS"]

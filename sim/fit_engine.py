@@ -42,7 +42,7 @@ def step_row(label: str, cm: CostModel, plan, pred, measured_s: float, graphed: 
     kern = pred.duration_s - sum(pred.breakdown.get(k, 0.0) for k in HOST_TERMS + ("engine_overhead",))
     return {"mode": label, "step": plan.step, "kd": plan.num_decode, "kp": plan.num_prefill,
             "tokens": plan.num_tokens, "compress": cm.compress, "aot": cm.partition == "aot", "graphed": graphed,
-            "hp": cm.layout.heads_per_group, "kernel_pred_s": kern, "measured_s": measured_s,
+            "hp": cm.layout.heads_per_group, "tables": cm.layout.n_tables, "kernel_pred_s": kern, "measured_s": measured_s,
             **{f"pred_{k}": v for k, v in pred.breakdown.items() if k not in HOST_TERMS + ("engine_overhead",)},
             **{f"meas_{k}": v for k, v in meas_ops.items()}}
 
@@ -95,6 +95,12 @@ def step_terms(df) -> dict:
     return {t: sum(col(k) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()}
 
 
+def _extra_terms(p) -> None:
+    p.add_argument("--extra-terms", nargs="+", default=[], metavar="COEFF", choices=engine_overhead.EXTRA,
+                   help="also fit these terms, held at 0 otherwise: " + ", ".join(engine_overhead.EXTRA)
+                        + " (sim/engine_overhead.py)")
+
+
 def _parser():
     p = spec_parser("tangram-fit-engine", __doc__, ("model", "gpu", "trace", "engine", "run"), trace="required",
                     skip=("dynamic_keep", "temperature", "top_p"), config=False, defaults={"weights": "random"})
@@ -112,6 +118,7 @@ def _parser():
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe; or a probe JSON of it) as the folder's "
                         "reference_probe.json: later probes of other machines are compared with it")
+    _extra_terms(p)
     return p
 
 
@@ -191,17 +198,20 @@ def run(a) -> dict:
         save_probe(probe, directory / REFERENCE_PROBE)
         prov["reference_probe"] = REFERENCE_PROBE  # beside this file: a path that travels with the tables
         print(f"reference probe of {probe['device'].get('name')} written to {directory / REFERENCE_PROBE}")
-    return fit_and_save(df, spec.model.name, spec.model.num_layers, directory, prov)
+    return fit_and_save(df, spec.model.name, spec.model.num_layers, directory, prov, extra=tuple(a.extra_terms))
 
 
-def fit_and_save(df, model: str, num_layers: int, directory: Path, prov: dict) -> dict:
-    """Fit the overhead coefficients to a steps frame, print the per-config totals, write engine_overhead.json."""
+def fit_and_save(df, model: str, num_layers: int, directory: Path, prov: dict, extra: tuple = ()) -> dict:
+    """Fit the overhead coefficients to a steps frame, print the per-config totals, write engine_overhead.json.
+    ``extra``: the extra terms fitted (:func:`engine_overhead.fit`)."""
     L = num_layers
     ov, stats = engine_overhead.fit(step_terms(df), df["measured_s"], L, df["kd"], df["kp"], df["compress"],
-                                    df["aot"], df["graphed"])
+                                    df["aot"], df["graphed"], df["tables"], df["tokens"] - df["kd"],
+                                    extra=extra)
     per_mode = {}
     for mode, g in df.groupby("mode", sort=False):
-        pred = ov.step_s(step_terms(g), L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"])
+        pred = ov.step_s(step_terms(g), L, g["kd"], g["kp"], g["compress"], g["aot"], g["graphed"], g["tables"],
+                         g["tokens"] - g["kd"])
         per_mode[mode] = {"steps": int(len(g)), "total_rel_err": float(pred.sum() / g["measured_s"].sum() - 1),
                           "kernels_only_total_rel_err": float(g["kernel_pred_s"].sum() / g["measured_s"].sum() - 1)}
     stats["per_mode"] = per_mode
@@ -257,8 +267,17 @@ def refit(argv: list[str]) -> dict:
     p.add_argument("--refit", required=True, metavar="PLANS", help="a file written by --plans")
     p.add_argument("--out-dir", required=True, help="tables folder to write engine_overhead.json into")
     p.add_argument("--steps-csv", help="also write the re-priced steps here")
+    _extra_terms(p)
+    p.add_argument("--configs", nargs="+", metavar="FILE",
+                   help="with a steps CSV that has no 'tables' column: the config files its runs were (each run's "
+                        "label is its file's name), for their page tables per row")
     a = parse(p, argv)
+    if a.refit.endswith((".csv", ".csv.gz")):
+        return refit_steps(a, argv)
+    if a.configs:
+        raise ConfigError("--configs applies to a steps CSV only (a plans file has each run's layout)")
     plans = load_plans(a.refit)
+
     df = reprice(plans)
     if a.steps_csv:
         Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +288,49 @@ def refit(argv: list[str]) -> dict:
             "command": plans["provenance"].get("command", "")}
     print(f"re-priced {len(df)} steps of {len(plans['runs'])} runs recorded on {prov.get('device', '?')}")
     return fit_and_save(df, plans["model"], int(plans["runs"][0]["cost_model"]["model"].num_layers),
-                        Path(a.out_dir), prov)
+                        Path(a.out_dir), prov, extra=tuple(a.extra_terms))
+
+
+def refit_steps(a, argv: list[str]) -> dict:
+    """``--refit STEPS.csv[.gz]``: refit the steps of a ``--steps-csv`` file as they were priced when recorded (a CSV
+    holds no plans: nothing is re-priced). A calibration recorded before ``--plans`` existed (the shipped H100 fit)
+    gets new terms fitted on its own steps this way, all coefficients jointly."""
+    import json
+
+    import pandas as pd
+
+    from tangram.spec import load
+
+    df = pd.read_csv(a.refit)
+    if "tables" not in df:
+        if not a.configs:
+            raise ConfigError(f"{a.refit}: no 'tables' column (recorded before it was); pass --configs FILE... of "
+                              f"its runs ({', '.join(df['mode'].unique())})")
+        tables = {}
+        for c in a.configs:
+            spec = load(c, {})
+            m, e = spec.model, spec.engine
+            tables[Path(c).stem] = m.num_layers * (m.num_kv_heads // e.heads_per_group) if e.ragged else 1
+        missing = sorted(set(df["mode"]) - set(tables))
+        if missing:
+            raise ConfigError(f"{a.refit}: runs {missing} have no config among --configs")
+        df["tables"] = df["mode"].map(tables)
+    if a.steps_csv:
+        Path(a.steps_csv).parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(a.steps_csv, index=False)
+    # the provenance of the fit written beside the CSV (its calibration folder), when there is one
+    beside = Path(a.refit).parent / engine_overhead.FILENAME
+    models = json.loads(beside.read_text()).get("models", {}) if beside.exists() else {}
+    if len(models) != 1:
+        raise ConfigError(f"{a.refit}: expected the calibration's {engine_overhead.FILENAME} of one model beside it")
+    (model, entry), = models.items()
+    prov = {k: v for k, v in entry.items() if k not in ("coefficients", "fit")}
+    prov["refit"] = {"command": "python -m tangram.sim.fit_engine " + " ".join(argv),
+                     "date": _dt.date.today().isoformat(), "steps_csv": Path(a.refit).name}
+    print(f"refitting {len(df)} steps recorded on {prov.get('device', '?')} as priced then")
+    from tangram.config import get_model
+
+    return fit_and_save(df, model, get_model(model).num_layers, Path(a.out_dir), prov, extra=tuple(a.extra_terms))
 
 
 @cli_main

@@ -373,3 +373,134 @@ def test_shipped_h100_fit_prices_the_engines_measured_mixed_steps():
         wall, kern = np.array(walls[cfg]).T / 1e3
         pred = ov.step_s({"dense": float(np.median(kern)) / ov.kernel_scale}, LLAMA.num_layers, 64, 1, compress, aot)
         assert wall.min() * 0.9 <= pred <= wall.max() * 1.1, (cfg, pred, wall.min(), wall.max())
+
+
+# --------------------------------------------------------------------------- the opt-in terms (EXTRA)
+
+def _table_steps(rng, truth, n):
+    """Synthetic steps with page tables per row as the validation configs have (1 monolithic, 32..256 ragged) and
+    prefill tokens per step."""
+    kern, _, kd, kp, comp, aot, graphed = _synthetic_steps(rng, truth, n)
+    kd = np.where(graphed, rng.integers(1, 9, n), kd)  # graphed batches of 1-8 rows, as the calibration's
+    tables = rng.choice([1, 32, 64, 128, 256], n)
+    ptokens = (kp * rng.integers(200, 4096, n)).astype(np.int64)
+    meas = truth.step_s(kern, 32, kd, kp, comp, aot, graphed, tables, ptokens) * rng.lognormal(0, 0.02, n)
+    return kern, meas, kd, kp, comp, aot, graphed, tables, ptokens
+
+
+def test_fit_recovers_planted_extra_terms():
+    """Planted per-row, per-(row x table) and per-(prefill token x table) seconds are recovered when asked for, held
+    at 0 when not (the fit without them is the old one)."""
+    rng = np.random.default_rng(21)
+    truth = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0, compress_scale=0.3,
+                              graph_scale=0.9, graph_row_s=1.2e-4, graph_table_row_s=4e-7, table_token_s=8e-9)
+    kern, meas, *f = _table_steps(rng, truth, 1500)
+    ov, stats = eo.fit(kern, meas, 32, *f, extra=eo.EXTRA)
+    assert stats["converged"] and stats["extra_terms"] == sorted(eo.EXTRA)
+    for k in eo.EXTRA:
+        assert abs(getattr(ov, k) / getattr(truth, k) - 1) < 0.15, (k, getattr(ov, k))
+    assert abs(ov.graph_scale - 0.9) < 0.03
+    plain, st0 = eo.fit(kern, meas, 32, *f)
+    assert all(getattr(plain, k) == 0.0 for k in eo.EXTRA) and st0["extra_terms"] == []
+    assert stats["median_abs_rel_err"] < st0["median_abs_rel_err"]
+    # only the terms asked for move
+    one, _ = eo.fit(kern, meas, 32, *f, extra=("graph_table_row_s",))
+    assert one.graph_row_s == one.table_token_s == 0.0 and one.graph_table_row_s > 0
+    with pytest.raises(ConfigError, match="unknown extra terms"):
+        eo.fit(kern, meas, 32, *f, extra=("row_s",))
+
+
+def test_extra_terms_priced_alike_one_step_or_arrays_and_saved():
+    """The scalar path and the array path give the same seconds bit for bit with the extra terms; a saved file keeps
+    them; a file without them (fitted before) loads them as 0."""
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        c = eo.EngineOverhead(*(rng.uniform(1e-6, 1e-3, 8)), kernel_scale=rng.uniform(0.5, 2),
+                              graph_scale=rng.uniform(0.5, 2), graph_row_s=rng.uniform(0, 3e-4),
+                              graph_table_row_s=rng.uniform(0, 1e-6), table_token_s=rng.uniform(0, 2e-8))
+        terms = {t: float(rng.uniform(0, 1e-2)) if rng.random() < 0.8 else 0.0 for t in eo.TERMS}
+        kd, kp = int(rng.integers(0, 300)), int(rng.integers(0, 5))
+        tables, ptok = int(rng.choice([1, 32, 256])), int(kp * rng.integers(1, 4096))
+        compress, aot, graphed = bool(rng.random() < 0.5), bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+        one = c.step_s(terms, 32, kd, kp, compress, aot, graphed, tables, ptok)
+        two = lambda x: np.array([x, x])  # noqa: E731
+        arr = c.step_s({t: two(v) for t, v in terms.items()}, 32, two(kd), two(kp), compress, aot, two(graphed),
+                       two(tables), two(ptok))
+        assert isinstance(one, float) and one == arr[0] == arr[1]
+    c = eo.EngineOverhead(1e-4, 2e-4, 1e-4, 3e-4, 2e-4, 5e-4, 4e-3, 1e-3, 1.0, graph_row_s=1e-4,
+                          graph_table_row_s=3e-7, table_token_s=5e-9)
+    assert c.step_s(0.01, 32, 4, 0, False, False, True, 256) == pytest.approx(
+        c.step_s(0.01, 32, 4, 0, False, False, True, 1) + 3e-7 * 4 * 255, rel=1e-12)
+    assert c.step_s(0.02, 32, 2, 1, True, True, False, 256, 4096) == pytest.approx(
+        c.step_s(0.02, 32, 2, 1, True, True, False, 256, 0) + 5e-9 * 4096 * 256, rel=1e-12)
+
+
+def test_cost_model_prices_the_extra_terms_with_its_layout(tmp_path):
+    """The cost model hands the step's page tables per row (its layout's) and prefill tokens to the fit, step by
+    step and over fast-forwarded runs alike (the replay is the same either way)."""
+    from test_fast_forward import _spec, assert_same_replay
+
+    from tangram.traces import generate
+
+    d = tmp_path / "cal"
+    shutil.copytree(tables_dir_for(H100.name), d)
+    ov = eo.EngineOverhead(3e-4, 2e-4, 1e-4, 5e-4, 4e-4, 1e-3, 5e-3, 2e-3, 1.2, graph_row_s=1e-4,
+                           graph_table_row_s=3e-7, table_token_s=5e-9)
+    eo.save(d, LLAMA.name, ov, {"steps": 1}, {"command": "test", "device": "none"})
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=0)
+    for hp, tables in ((1, 256), (8, 32)):
+        eng = EngineConfig(mode="tangram", heads_per_group=hp)
+        sched = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
+        assert sched.layout.n_tables == tables
+        cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, tables=d)
+        seen = []
+
+        class Rec:
+            def execute(self, plan, cm=cm, seen=seen):
+                r = cm.execute(plan)
+                seen.append((plan, r))
+                return r
+        from tangram.harness import Cluster
+
+        Cluster(generate(3, "short", seed=1), [(Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30), Rec())]).run()
+        kinds = set()
+        for plan, r in seen:
+            terms = {t: sum(r.breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in eo.TERM_KEYS.items()}
+            g = eng.decode_graphed(plan.num_decode, plan.num_prefill)
+            want = ov.step_s(terms, LLAMA.num_layers, plan.num_decode, plan.num_prefill, True, True, g, tables,
+                             plan.num_tokens - plan.num_decode)
+            assert r.breakdown["engine_overhead"] == pytest.approx(want - sum(terms.values()), rel=1e-9, abs=1e-12)
+            kinds.add((bool(g), plan.num_prefill > 0))
+        assert {(True, False), (False, True)} <= kinds
+        assert_same_replay(generate(4, "short", seed=2), _spec(heads_per_group=hp, tables=str(d)))
+
+
+def test_refit_of_a_steps_csv_reproduces_the_shipped_fit(tmp_path):
+    """``--refit STEPS.csv.gz --configs ...`` refits the shipped H100 fit's own calibration steps (recorded before
+    --plans existed) as they were priced then: without extra terms it is the shipped fit again; the CSV has no
+    'tables' column, so the configs give each run's page tables per row."""
+    from pathlib import Path
+
+    from tangram.sim.fit_engine import main
+
+    root = Path(__file__).resolve().parents[1]
+    src = root / "reports/validation/h100_engine_fit_1633_2026-11-24"
+    configs = sorted(str(p) for p in (root / "reports/validation/configs").glob("*.json")) + \
+        [str(root / "reports/tuning/study/best_config.json")]
+    with pytest.raises(SystemExit) as e:
+        main(["--refit", str(src / "engine_steps.csv.gz"), "--out-dir", str(tmp_path), "--configs", *configs,
+              "--steps-csv", str(tmp_path / "steps.csv")])
+    assert e.value.code == 0
+    got = json.loads((tmp_path / eo.FILENAME).read_text())["models"][LLAMA.name]
+    shipped = json.loads((tables_dir_for(H100.name) / eo.FILENAME).read_text())["models"][LLAMA.name]
+    for k, v in shipped["coefficients"].items():
+        assert got["coefficients"][k] == pytest.approx(v, rel=1e-5, abs=1e-12), k
+    assert all(got["coefficients"][k] == 0.0 for k in eo.EXTRA)
+    assert got["refit"]["steps_csv"] == "engine_steps.csv.gz" and got["device"] == shipped["device"]
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert steps.groupby("mode")["tables"].first().to_dict() == {
+        "best_config": 256, "brrp_hp4_a2": 64, "dynamic_a2": 1, "full": 1, "paper_default_hp4_a2": 64,
+        "tangram_hp2_a1": 128, "tangram_hp8_a3": 32}
+    with pytest.raises(SystemExit) as e:  # without the configs it cannot know the tables
+        main(["--refit", str(src / "engine_steps.csv.gz"), "--out-dir", str(tmp_path / "x")])
+    assert e.value.code == 2

@@ -49,7 +49,7 @@ TERMS = {
 
 
 def _parser():
-    p = spec_parser("tangram-validate", __doc__, ("trace", "gpu", "engine", "run"), trace="flag", config=False,
+    p = spec_parser("tangram-validate", __doc__, ("trace", "gpu", "tables", "engine", "run"), trace="flag", config=False,
                     skip=("temperature", "top_p"), defaults={"weights": "random"})
     p.add_argument("configs", nargs="*", metavar="CONFIG",
                    help="config JSON files (the tangram-sim --config format); the spec options given here override "
