@@ -642,8 +642,10 @@ class BlockTable:
         r0, T, c0 = self.pages.shape
         rows, cap = rows or r0, cap or c0
         cap = _aligned(cap)
-        pages = np.full((rows, T, cap), -1, dtype=np.int32)
+        pages = np.empty((rows, T, cap), dtype=np.int32)  # each byte written once (a pool's table is ~100s of MB)
         pages[:r0, :, :c0] = self.pages
+        pages[:r0, :, c0:] = -1
+        pages[r0:] = -1
         npages = np.zeros((rows, T), dtype=np.int64)
         npages[:r0] = self.npages
         lens = np.zeros((rows, T), dtype=np.int64)
@@ -664,12 +666,27 @@ class BlockTable:
         if not self.private_ids:
             self.materialise(row, hi)
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), (T,))
-        c0, c1 = int(lo.min(initial=0)), int(hi.max(initial=0))  # only the columns some table needs
-        if c1 <= c0:
-            return np.zeros(0, dtype=np.int64)
-        col = np.arange(c0, c1)[None, :]
-        mask = (col < hi[:, None]) & (col >= lo[:, None])
-        return self.pages[row, :, c0:c1][mask].astype(np.int64)
+        return self._gather(row, lo, hi).astype(np.int64)
+
+    def _gather(self, row: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``pages[row, t, lo[t]:hi[t]]`` of every table, table-major (the table's dtype): runs of consecutive
+        columns gathered by flat index, O(ids) rather than a mask over every table's columns up to the widest (a
+        long shared chain makes a few tables thousands of pages wide)."""
+        flat = self._flat(row, lo, hi)
+        return self.pages.reshape(-1)[flat] if flat.size else np.zeros(0, dtype=self.pages.dtype)
+
+    def _flat(self, row: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Flat indices into ``pages`` of ``[row, t, lo[t]:hi[t]]`` for every table, table-major."""
+        cnt = hi - lo
+        t = np.flatnonzero(cnt > 0)
+        if t.size == 0:
+            return np.zeros(0, dtype=np.intp)
+        cnt = cnt[t]
+        total = int(cnt.sum())
+        cap = self.pages.shape[2]
+        flat = np.repeat((row * self.layout.n_tables + t) * cap + lo[t] - (np.cumsum(cnt) - cnt), cnt)
+        flat += _ramp(total)
+        return flat
 
     def materialise(self, row: int, hi: np.ndarray) -> int:
         """Give ids to the row's pages in columns below ``hi`` [T] (<= ``npages``) that have none yet (reserved by
@@ -698,16 +715,13 @@ class BlockTable:
 
     def _split(self, row: int, n: np.ndarray, w: int, shared: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The row's page ids in columns below ``shared`` (all of them when None) and at or beyond, table-major."""
-        col = np.arange(w)[None, :]
-        tab = self.pages[row, :, :w]
-        held = col < n[:, None]
+        zero = np.zeros(n.shape, dtype=np.int64)
         if shared is None:
-            return tab[held], np.zeros(0, dtype=self.pages.dtype)
+            return self._gather(row, zero, n), np.zeros(0, dtype=self.pages.dtype)
         s = np.minimum(shared, n)
-        if not s.any():  # no prefix unit: every page is the row's own (one mask instead of three)
-            return np.zeros(0, dtype=self.pages.dtype), tab[held]
-        below = col < s[:, None]
-        return tab[below], tab[held ^ below]  # below is inside held (s <= n)
+        if not s.any():  # no prefix unit: every page is the row's own
+            return np.zeros(0, dtype=self.pages.dtype), self._gather(row, zero, n)
+        return self._gather(row, zero, s), self._gather(row, s, n)
 
     def release_row(self, row: int, shared: np.ndarray | None = None) -> int:
         """Let go of every page of the row (shared ones stay with their other holders); returns pages freed.
@@ -764,21 +778,19 @@ class BlockTable:
         need_cap = int(n.max(initial=0))
         if need_cap > self.pages.shape[2]:
             self._grow(cap=max(need_cap, 2 * self.pages.shape[2]))
-        w = int(n.max(initial=0))
-        if w:
-            col = np.arange(w)[None, :]
+        if need_cap:
+            zero = np.zeros(n.shape, dtype=np.int64)
             if parked.shared is None:
-                masks = [col < n[:, None]]
-                parts = [parked.head]
+                parts = [(zero, n, parked.head)]
             else:  # its two parts (ParkedTables)
-                s = parked.shared[:, None]
-                masks = [col < s, (col >= s) & (col < n[:, None])]
-                parts = [parked.head, parked.own]
-            for mask, ids in zip(masks, parts):
-                self.pages[row, :, :w][mask] = ids  # table-major, as park took them
+                parts = [(zero, parked.shared, parked.head), (parked.shared, n, parked.own)]
+            cap, T = self.pages.shape[2], self.layout.n_tables
+            for lo, hi, ids in parts:
+                flat = self._flat(row, lo, hi)
+                self.pages.reshape(-1)[flat] = ids  # table-major, as park took them
                 if self._writes is not None:
-                    tt, cc = np.nonzero(mask)
-                    self._log(np.full(tt.size, row), tt, cc, ids)
+                    rt, col = np.divmod(flat, cap)
+                    self._log(rt // T, rt % T, col, ids)
         self.npages[row] = parked.npages
         if not self.private_ids:
             self.nids[row] = n
