@@ -592,7 +592,9 @@ class BlockTable:
     ``private_ids=False`` (an executor that never reads page ids: the simulator's cost model) reserves pages by count
     (:meth:`PagePool.reserve`) and gives a table's pages ids only when something reads them by id (:meth:`row_ids`:
     the prefix cache registering or copying a row's pages), so ``pages[row, t]`` holds ids in its first
-    ``nids[row, t]`` columns only and ``-1`` beyond; the other ``npages - nids`` are counted, not named. Every count
+    ``nids[row, t]`` columns only; the other ``npages - nids`` are counted, not named, and the columns beyond
+    ``nids`` are never read (what they hold is undefined: a wide table grown for one long shared chain is not
+    written, so not paged in, where no row has ids). Every count
     (pages used, allocated, freed, shared, tables touched) is the same as with ids (``True``, the GPU engine's: every
     page has its id from the moment it is taken).
     """
@@ -643,9 +645,12 @@ class BlockTable:
         rows, cap = rows or r0, cap or c0
         cap = _aligned(cap)
         pages = np.empty((rows, T, cap), dtype=np.int32)  # each byte written once (a pool's table is ~100s of MB)
-        pages[:r0, :, :c0] = self.pages
-        pages[:r0, :, c0:] = -1
-        pages[r0:] = -1
+        if self.private_ids:
+            pages[:r0, :, :c0] = self.pages
+            pages[:r0, :, c0:] = -1
+            pages[r0:] = -1
+        else:  # only the columns below nids are ever read: the rest stays unwritten (never paged in), not -1
+            pages[:r0, :, :c0] = self.pages
         npages = np.zeros((rows, T), dtype=np.int64)
         npages[:r0] = self.npages
         lens = np.zeros((rows, T), dtype=np.int64)

@@ -30,8 +30,10 @@ def check_invariants(s: Scheduler):
     assert anon == s.pool.n_anon
     assert s.pool.in_use.sum() + s.pool.n_anon == s.pool.n_used
     col = np.arange(s.bt.pages.shape[2])[None, None, :]
-    held = s.bt.pages >= 0
-    np.testing.assert_array_equal(held, col < s.bt.nids[:, :, None])  # ids exactly in the first nids columns
+    below = col < s.bt.nids[:, :, None]
+    assert (s.bt.pages[below] >= 0).all()  # ids in the first nids columns (beyond: -1 with ids, else never read)
+    if s.bt.private_ids:
+        assert (s.bt.pages[~below] == -1).all()
     # free stack holds distinct pages, none in use
     free = s.pool.free_ids()
     assert np.unique(free).size == free.size and not s.pool.in_use[free].any()
