@@ -714,10 +714,13 @@ class Scheduler:
         in progress.
         """
         run = self.running
-        if not run or any(r.status != "running" for r in run):
+        if not run:
             return None
-        dec = [r for r in run if r.prefilled >= r.prompt]
-        pre = [r for r in run if r.prefilled < r.prompt]
+        dec, pre = [], []
+        for r in run:  # one pass over the batch (a replay plans ~30K runs)
+            if r.status != "running":
+                return None
+            (dec if r.prefilled >= r.prompt else pre).append(r)
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
             return None
         if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk
