@@ -522,35 +522,39 @@ class CostModel:
             plan_s = rp.host_items * self.host.runtime_plan_item_s
             key = None
         size *= self.tok_head_bytes
-        launch, n_partials, self._dec_fixed = self._launch(key, reps)
-        return self._decode_total(size.reshape(L, -1), launch, n_partials), plan_s
+        launch, n_partials, self._dec_fixed, rows = self._launch(key, reps)
+        return self._decode_total(size.reshape(L, -1), launch, n_partials, rows), plan_s
 
-    def _decode_total(self, size: np.ndarray, launch, n_partials: int) -> float:
+    def _decode_total(self, size: np.ndarray, launch, n_partials: int, fixed: np.ndarray | None = None) -> float:
         """Seconds of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch`` (summed over its
         layers): :meth:`_layer_times` with fitted decode costs, else the fallback's sum as one expression."""
         if self.price_costs is not None:
-            return float(self._layer_times(size, launch).sum())
+            return float(self._layer_times(size, launch, fixed).sum())
         t = float(launch_wave_time(size, launch, self.dec_bw, self.cta_bw).sum())
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         return t + combine + size.shape[0] * self.dec_launch  # the fitted intercept of a call includes its merge
 
-    def _layer_times(self, size: np.ndarray, launch) -> np.ndarray:
+    def _layer_times(self, size: np.ndarray, launch, fixed: np.ndarray | None = None) -> np.ndarray:
         """Seconds per layer of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch``: the fitted
         decode costs through :func:`tangram.planner.launch_layer_times` (the model the AOT routing chooses maps
         by), else the fallback: the capped wave model at the balanced-call fit's bandwidth and the fitted lone-CTA
         rate, plus the partials' bytes and one fitted call intercept (which includes the merge kernel)."""
         c = self.price_costs
         if c is not None:
-            return launch_layer_times(size, launch, c, gq=self.gq, head_dim=self.model.head_dim)
+            return launch_layer_times(size, launch, c, gq=self.gq, head_dim=self.model.head_dim, fixed=fixed)
         t = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
         return t + launch.ctas * (self.gq * (self.model.head_dim + 2) * 4) / self.dec_bw + self.dec_launch
 
-    def _fixed_rows(self, launch) -> float:
+    def _fixed_rows(self, launch) -> tuple[float, np.ndarray | None]:
         """The seconds of a launch's rows that do not grow with its bytes (launches, per-wave latency, the merge
-        and its partials): the rescale cache's fixed part (``_decode_cached``). The fallback's: its intercepts."""
+        and its partials): the rescale cache's fixed part (``_decode_cached``), and per row with fitted decode
+        costs (what :func:`launch_layer_times` adds at every pricing of the launch). The fallback's: its
+        intercepts."""
         if self.price_costs is None:
-            return launch.reps.shape[0] * self.dec_launch
-        return float(launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim).sum())
+            return launch.reps.shape[0] * self.dec_launch, None
+        rows = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim)
+        rows.flags.writeable = False
+        return float(rows.sum()), rows
 
     def _static_alike(self, lens0: np.ndarray, s: int, L: int) -> float:
         """:meth:`_decode_attention` of a static split when every head of every layer holds the same tokens
@@ -561,11 +565,11 @@ class CostModel:
         size = np.divide(lens0, s).reshape(1, -1)
         size *= self.tok_head_bytes
         key = ("static", 1, kd * H, s)
-        launch, n_partials, fixed = self._launch(key, None if key in self._launches else np.full((1, kd * H), s,
-                                                                                                  dtype=np.int64))
+        launch, n_partials, fixed, rows = self._launch(key, None if key in self._launches else np.full(
+            (1, kd * H), s, dtype=np.int64))
         self._dec_fixed = L * fixed
         if self.price_costs is not None:
-            return float(np.full(L, self._layer_times(size, launch)[0]).sum())
+            return float(np.full(L, self._layer_times(size, launch, rows)[0]).sum())
         per = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
         t = float(np.full(L, per[0]).sum())
         combine = L * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
@@ -579,9 +583,10 @@ class CostModel:
         hit = self._launches.get(key) if key is not None else None
         if hit is None:
             launch = wave_launch(reps, self.n_occ)
-            hit = (launch, int(reps.sum()), self._fixed_rows(launch))
+            hit = (launch, int(reps.sum()), *self._fixed_rows(launch))
             if key is not None:
-                if len(self._launches) >= 16:
+                # a running batch's size goes up and down as turns join and leave: the last 64 shapes are kept
+                if len(self._launches) >= 64:
                     self._launches.pop(next(iter(self._launches)))
                 self._launches[key] = hit
         return hit
@@ -599,7 +604,7 @@ class CostModel:
             L, H = per_head.shape
             reps = np.ascontiguousarray(np.broadcast_to(per_head[:, None, :], (L, batch, H))).reshape(L, -1)
             reps.flags.writeable = False
-            if len(self._reps) >= 8:
+            if len(self._reps) >= 64:
                 self._reps.pop(next(iter(self._reps)))
             self._reps[key] = reps
         return reps

@@ -32,7 +32,8 @@ def build_replica(spec: DeploymentSpec, engine: EngineConfig, idx: int) -> tuple
         pool = tp_pool_bytes(m, spec.gpu, engine, lay, keep)
     else:
         pool = kv_pool_bytes(spec.model, spec.gpu, engine)
-    sched = Scheduler(spec.model, engine, spec.profile, pool_bytes=pool)
+    # the cost model never reads page ids: private pages are counted, not named (the same decisions and counts)
+    sched = Scheduler(spec.model, engine, spec.profile, pool_bytes=pool, private_ids=False)
     tables = resolve_tables(spec.tables, spec.gpu, spec.probe) if spec.probe else spec.tables  # cached per probe
     cls = TPCostModel if engine.tp > 1 else CostModel
     cm = cls(spec.model, spec.gpu, engine, sched.layout, sched.profile, tables=tables,

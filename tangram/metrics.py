@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable
 
@@ -148,8 +148,9 @@ def records_frame(records: Iterable[RequestRecord], **const):
     import pandas as pd
 
     rows = []
-    for r in records:
-        d = asdict(r)
+    names = [f.name for f in fields(RequestRecord)]
+    for r in records:  # asdict's deep copies, without them: every field is a str, int, float or None
+        d = {k: getattr(r, k) for k in names}
         d.update(ttft_s=r.ttft_s, tpot_s=r.tpot_s, e2e_s=r.e2e_s)
         rows.append(d)
     df = pd.DataFrame(rows, columns=REQUEST_COLUMNS)

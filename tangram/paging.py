@@ -214,7 +214,11 @@ class PagePool:
         self._bfree[-1] = num_pages - (nb - 1) * _BLOCK
         self._stack = np.empty(num_pages, dtype=np.intp)  # free ids off the bitmap; top = end
         self._n_stack = 0
-        self._n_free = int(num_pages)
+        self._n_free = int(num_pages)  # ids on the free structures (the bitmap and the stack)
+        # Pages rows hold without an id yet (:meth:`reserve`; a block table that materialises its private page ids
+        # only when they are read, ``BlockTable(private_ids=False)``): counted as allocated and referenced once,
+        # their ids still on the free structures, any of which :meth:`alloc_reserved` may hand out for them later
+        self.n_anon = 0
         # ref and pins side by side in memory (strided views of one [num_pages, 2] array): a release reads both
         # counts of each page, in random order over a pool larger than the cache, so one cache miss serves both
         self._counts = np.zeros((num_pages, 2), dtype=np.int32)
@@ -235,11 +239,11 @@ class PagePool:
 
     @property
     def n_free(self) -> int:
-        return self._n_free
+        return self._n_free - self.n_anon
 
     @property
     def n_used(self) -> int:
-        return self.num_pages - self._n_free
+        return self.num_pages - self._n_free + self.n_anon
 
     @property
     def n_saved(self) -> int:
@@ -248,7 +252,7 @@ class PagePool:
 
     @property
     def in_use(self) -> np.ndarray:
-        """bool [num_pages]: allocated (a row holds it or the cache pins it)."""
+        """bool [num_pages]: allocated ids (a row holds it or the cache pins it); ``n_anon`` reserved pages have none."""
         return (self.ref > 0) | (self.pins > 0)
 
     def take_lone(self) -> np.ndarray:
@@ -275,8 +279,8 @@ class PagePool:
 
     def alloc(self, n: int) -> np.ndarray:
         """``n`` fresh pages, each held once (``ref = 1``) by the caller's row."""
-        if n > self._n_free:
-            raise OutOfPages(f"need {n} pages, {self._n_free} free")
+        if n > self.n_free:
+            raise OutOfPages(f"need {n} pages, {self.n_free} free")
         ids = self._take(n)
         if self.check and (self.ref[ids].any() or self.pins[ids].any()):
             raise AssertionError("free list holds a page in use")
@@ -286,6 +290,40 @@ class PagePool:
         self.n_referenced += n
         self.total_allocs += n
         return ids
+
+    def reserve(self, n: int) -> None:
+        """``n`` pages for the caller's row without ids yet (counted as :meth:`alloc` counts them): a row's private
+        pages that nobody reads by id until :meth:`alloc_reserved` gives them one (``BlockTable(private_ids=False)``)."""
+        if n > self.n_free:
+            raise OutOfPages(f"need {n} pages, {self.n_free} free")
+        self.n_anon += n
+        self.n_refs += n
+        self.n_referenced += n
+        self.total_allocs += n
+
+    def alloc_reserved(self, n: int) -> np.ndarray:
+        """Ids for ``n`` pages already :meth:`reserve`\ d (each held once, ``ref = 1``); counts stay as they are."""
+        if n > self.n_anon:
+            raise AssertionError(f"ids for {n} reserved pages, {self.n_anon} reserved")
+        if n == 0:
+            return np.zeros(0, dtype=np.intp)
+        ids = self._take(n)
+        if self.check and (self.ref[ids].any() or self.pins[ids].any()):
+            raise AssertionError("free list holds a page in use")
+        self._n_free -= n
+        self.n_anon -= n
+        self.ref[ids] = 1
+        return ids
+
+    def unreserve(self, n: int) -> int:
+        """A row lets go of ``n`` reserved pages that never got an id (all freed); returns ``n``."""
+        if n > self.n_anon or n < 0:
+            raise AssertionError(f"release of {n} reserved pages, {self.n_anon} reserved (double free)")
+        self.n_anon -= n
+        self.n_refs -= n
+        self.n_referenced -= n
+        self.total_frees += n
+        return int(n)
 
     def incref(self, ids: np.ndarray) -> None:
         """Another row holds these (distinct, allocated) pages: a prefix-cache hit."""
@@ -505,19 +543,27 @@ class ParkedTables:
     only (:meth:`PagePool.release_private`); ``ids`` gives them all, table-major. Without it every page may be
     shared and ``head`` holds them all."""
 
-    __slots__ = ("npages", "lens", "head", "own", "shared")
+    __slots__ = ("npages", "lens", "head", "own", "shared", "nids")
 
     def __init__(self, npages: np.ndarray, lens: np.ndarray, ids: np.ndarray, shared: np.ndarray | None = None,
-                 own: np.ndarray | None = None):
+                 own: np.ndarray | None = None, nids: np.ndarray | None = None):
         self.npages, self.lens, self.head, self.shared = npages, lens, ids, shared
         self.own = own if own is not None else ids[:0]
+        # [T] the leading pages of each table that have ids (``BlockTable(private_ids=False)``; None: all of them);
+        # the rest, ``npages - nids``, are reserved pages without one
+        self.nids = nids
+
+    @property
+    def anon(self) -> int:
+        """Pages held without an id (:meth:`PagePool.reserve`)."""
+        return 0 if self.nids is None else int((self.npages - self.nids).sum())
 
     @property
     def ids(self) -> np.ndarray:
         """Every page id, table-major (tests, debugging)."""
         if self.shared is None:
             return self.head
-        n, s = self.npages, self.shared
+        n, s = self.npages if self.nids is None else self.nids, self.shared
         w = int(n.max(initial=0))
         col = np.arange(w)[None, :]
         tab = np.full((n.size, w), -1, dtype=np.int64)
@@ -542,15 +588,26 @@ class BlockTable:
     ``lens[row, t]`` is the number of tokens table ``t`` holds; ``npages[row, t]``
     the pages it owns (capacity ``npages * P`` may exceed ``lens`` when pages were
     reserved ahead, as Budget Reservation does at admission).
+
+    ``private_ids=False`` (an executor that never reads page ids: the simulator's cost model) reserves pages by count
+    (:meth:`PagePool.reserve`) and gives a table's pages ids only when something reads them by id (:meth:`row_ids`:
+    the prefix cache registering or copying a row's pages), so ``pages[row, t]`` holds ids in its first
+    ``nids[row, t]`` columns only; the other ``npages - nids`` are counted, not named, and the columns beyond
+    ``nids`` are never read (what they hold is undefined: a wide table grown for one long shared chain is not
+    written, so not paged in, where no row has ids). Every count
+    (pages used, allocated, freed, shared, tables touched) is the same as with ids (``True``, the GPU engine's: every
+    page has its id from the moment it is taken).
     """
 
-    def __init__(self, layout: KVLayout, pool: PagePool, rows: int = 16, cap: int = 16):
+    def __init__(self, layout: KVLayout, pool: PagePool, rows: int = 16, cap: int = 16, *, private_ids: bool = True):
         self.layout, self.pool = layout, pool
         T = layout.n_tables
         cap = _aligned(cap)
         self.pages = np.full((rows, T, cap), -1, dtype=np.int32)
         self.npages = np.zeros((rows, T), dtype=np.int64)
         self.lens = np.zeros((rows, T), dtype=np.int64)
+        self.private_ids = bool(private_ids)
+        self.nids = self.npages if self.private_ids else np.zeros((rows, T), dtype=np.int64)  # pages with ids
         self._free_rows = list(range(rows - 1, -1, -1))
         self.rows_touched = 0  # table rows updated, for pricing host work
         self._writes: list[np.ndarray] | None = None  # page ids written, when an executor mirrors the table
@@ -587,47 +644,102 @@ class BlockTable:
         r0, T, c0 = self.pages.shape
         rows, cap = rows or r0, cap or c0
         cap = _aligned(cap)
-        pages = np.full((rows, T, cap), -1, dtype=np.int32)
-        pages[:r0, :, :c0] = self.pages
+        pages = np.empty((rows, T, cap), dtype=np.int32)  # each byte written once (a pool's table is ~100s of MB)
+        if self.private_ids:
+            pages[:r0, :, :c0] = self.pages
+            pages[:r0, :, c0:] = -1
+            pages[r0:] = -1
+        else:  # only the columns below nids are ever read: the rest stays unwritten (never paged in), not -1
+            pages[:r0, :, :c0] = self.pages
         npages = np.zeros((rows, T), dtype=np.int64)
         npages[:r0] = self.npages
         lens = np.zeros((rows, T), dtype=np.int64)
         lens[:r0] = self.lens
         self.pages, self.npages, self.lens = pages, npages, lens
+        if self.private_ids:
+            self.nids = npages
+        else:
+            nids = np.zeros((rows, T), dtype=np.int64)
+            nids[:r0] = self.nids
+            self.nids = nids
 
     def row_ids(self, row: int, lo: np.ndarray | int = 0, hi: np.ndarray | None = None) -> np.ndarray:
-        """Page ids of the row's tables in columns ``[lo[t], hi[t])`` (default: all it holds), table-major."""
+        """Page ids of the row's tables in columns ``[lo[t], hi[t])`` (default: all it holds), table-major (pages
+        without an id get theirs now: :meth:`materialise`)."""
         T = self.layout.n_tables
         hi = self.npages[row] if hi is None else np.broadcast_to(np.asarray(hi, dtype=np.int64), (T,))
+        if not self.private_ids:
+            self.materialise(row, hi)
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), (T,))
-        c0, c1 = int(lo.min(initial=0)), int(hi.max(initial=0))  # only the columns some table needs
-        if c1 <= c0:
-            return np.zeros(0, dtype=np.int64)
-        col = np.arange(c0, c1)[None, :]
-        mask = (col < hi[:, None]) & (col >= lo[:, None])
-        return self.pages[row, :, c0:c1][mask].astype(np.int64)
+        return self._gather(row, lo, hi).astype(np.int64)
+
+    def _gather(self, row: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``pages[row, t, lo[t]:hi[t]]`` of every table, table-major (the table's dtype): runs of consecutive
+        columns gathered by flat index, O(ids) rather than a mask over every table's columns up to the widest (a
+        long shared chain makes a few tables thousands of pages wide)."""
+        flat = self._flat(row, lo, hi)
+        return self.pages.reshape(-1)[flat] if flat.size else np.zeros(0, dtype=self.pages.dtype)
+
+    def _flat(self, row: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Flat indices into ``pages`` of ``[row, t, lo[t]:hi[t]]`` for every table, table-major."""
+        cnt = hi - lo
+        t = np.flatnonzero(cnt > 0)
+        if t.size == 0:
+            return np.zeros(0, dtype=np.intp)
+        cnt = cnt[t]
+        total = int(cnt.sum())
+        cap = self.pages.shape[2]
+        flat = np.repeat((row * self.layout.n_tables + t) * cap + lo[t] - (np.cumsum(cnt) - cnt), cnt)
+        flat += _ramp(total)
+        return flat
+
+    def materialise(self, row: int, hi: np.ndarray) -> int:
+        """Give ids to the row's pages in columns below ``hi`` [T] (<= ``npages``) that have none yet (reserved by
+        count, ``private_ids=False``); returns how many got one. Pages keep their counts: only ids are taken."""
+        nids = self.nids[row]
+        k = np.maximum(np.asarray(hi, dtype=np.int64) - nids, 0)
+        total = int(k.sum())
+        if total == 0:
+            return 0
+        if (nids + k > self.npages[row]).any():
+            raise AssertionError("ids for pages the row does not hold")
+        cap = int((nids + k).max())
+        if cap > self.pages.shape[2]:
+            self._grow(cap=max(cap, 2 * self.pages.shape[2]))
+            nids = self.nids[row]
+        ids = self.pool.alloc_reserved(total)
+        cap = self.pages.shape[2]
+        t = np.flatnonzero(k)
+        cnt = k[t]
+        base = (row * self.layout.n_tables + t) * cap + nids[t]
+        flat = np.repeat(base - (np.cumsum(cnt) - cnt), cnt)
+        flat += _ramp(total)
+        self.pages.reshape(-1)[flat] = ids
+        nids += k
+        return total
 
     def _split(self, row: int, n: np.ndarray, w: int, shared: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The row's page ids in columns below ``shared`` (all of them when None) and at or beyond, table-major."""
-        col = np.arange(w)[None, :]
-        tab = self.pages[row, :, :w]
-        held = col < n[:, None]
+        zero = np.zeros(n.shape, dtype=np.int64)
         if shared is None:
-            return tab[held], np.zeros(0, dtype=self.pages.dtype)
+            return self._gather(row, zero, n), np.zeros(0, dtype=self.pages.dtype)
         s = np.minimum(shared, n)
-        if not s.any():  # no prefix unit: every page is the row's own (one mask instead of three)
-            return np.zeros(0, dtype=self.pages.dtype), tab[held]
-        below = col < s[:, None]
-        return tab[below], tab[held ^ below]  # below is inside held (s <= n)
+        if not s.any():  # no prefix unit: every page is the row's own
+            return np.zeros(0, dtype=self.pages.dtype), self._gather(row, zero, n)
+        return self._gather(row, zero, s), self._gather(row, s, n)
 
     def release_row(self, row: int, shared: np.ndarray | None = None) -> int:
         """Let go of every page of the row (shared ones stay with their other holders); returns pages freed.
         ``shared`` [T]: the columns below which pages may be shared or pinned (:class:`ParkedTables`); the pages
         beyond are the row's alone (default: every page may be shared)."""
-        n = self.npages[row]
+        n, anon = self._id_cols(row, shared)
         w = int(n.max(initial=0))  # columns at or beyond a table's npages hold -1 already: leave them
         ids, own = self._split(row, n, w, shared)
         freed = self.pool.release(ids) + self.pool.release_private(own)
+        if anon:
+            freed += self.pool.unreserve(anon)
+        if not self.private_ids:
+            self.nids[row] = 0
         self.pages[row, :, :w] = -1
         self.npages[row] = 0
         self.lens[row] = 0
@@ -637,45 +749,64 @@ class BlockTable:
 
     def park(self, row: int, shared: np.ndarray | None = None) -> ParkedTables:
         """The row's pages, kept compact while its session is idle (``shared`` as in :meth:`release_row`)."""
-        n = self.npages[row].copy()
+        n, _ = self._id_cols(row, shared)
+        n = n.copy()
         w = int(n.max(initial=0))  # columns at or beyond a table's npages hold -1 already: leave them
         ids, own = self._split(row, n, w, shared)
-        parked = ParkedTables(n, self.lens[row].copy(), ids, None if shared is None else np.minimum(shared, n), own)
+        parked = ParkedTables(self.npages[row].copy(), self.lens[row].copy(), ids,
+                              None if shared is None else np.minimum(shared, n), own,
+                              None if self.private_ids else n)
+        if not self.private_ids:
+            self.nids[row] = 0
         self.pages[row, :, :w] = -1
         self.npages[row] = 0
         self.lens[row] = 0
         self._free_rows.append(row)
         return parked
 
+    def _id_cols(self, row: int, shared: np.ndarray | None) -> tuple[np.ndarray, int]:
+        """The row's columns with ids per table [T] (the pages below ``shared`` given theirs first: the part a
+        release walks the counts of) and its pages without one."""
+        if self.private_ids:
+            return self.npages[row], 0
+        if shared is not None:
+            self.materialise(row, np.minimum(shared, self.npages[row]))
+        n = self.nids[row]
+        return n, int((self.npages[row] - n).sum())
+
     def unpark(self, parked: ParkedTables) -> int:
         """A fresh row holding exactly the parked pages (also how a prefix-cache hit adopts shared pages)."""
         row = self.acquire_row()
-        need_cap = int(parked.npages.max(initial=0))
+        n = parked.npages if parked.nids is None else parked.nids  # the columns with ids
+        if parked.nids is not None and self.private_ids:
+            raise ValueError("a table of ids cannot hold pages reserved without one")
+        need_cap = int(n.max(initial=0))
         if need_cap > self.pages.shape[2]:
             self._grow(cap=max(need_cap, 2 * self.pages.shape[2]))
-        n = parked.npages
-        w = int(n.max(initial=0))
-        if w:
-            col = np.arange(w)[None, :]
+        if need_cap:
+            zero = np.zeros(n.shape, dtype=np.int64)
             if parked.shared is None:
-                masks = [col < n[:, None]]
-                parts = [parked.head]
+                parts = [(zero, n, parked.head)]
             else:  # its two parts (ParkedTables)
-                s = parked.shared[:, None]
-                masks = [col < s, (col >= s) & (col < n[:, None])]
-                parts = [parked.head, parked.own]
-            for mask, ids in zip(masks, parts):
-                self.pages[row, :, :w][mask] = ids  # table-major, as park took them
+                parts = [(zero, parked.shared, parked.head), (parked.shared, n, parked.own)]
+            cap, T = self.pages.shape[2], self.layout.n_tables
+            for lo, hi, ids in parts:
+                flat = self._flat(row, lo, hi)
+                self.pages.reshape(-1)[flat] = ids  # table-major, as park took them
                 if self._writes is not None:
-                    tt, cc = np.nonzero(mask)
-                    self._log(np.full(tt.size, row), tt, cc, ids)
+                    rt, col = np.divmod(flat, cap)
+                    self._log(rt // T, rt % T, col, ids)
         self.npages[row] = parked.npages
+        if not self.private_ids:
+            self.nids[row] = n
         self.lens[row] = parked.lens
         return row
 
     def free_parked(self, parked: ParkedTables) -> int:
         """Let go of a parked session's pages; returns pages freed (shared ones stay with their other holders)."""
-        return self.pool.release(parked.head) + self.pool.release_private(parked.own)
+        freed = self.pool.release(parked.head) + self.pool.release_private(parked.own)
+        anon = parked.anon
+        return freed + self.pool.unreserve(anon) if anon else freed
 
     # -- capacity
     def pages_needed(self, rows: np.ndarray, table_lens: np.ndarray) -> np.ndarray:
@@ -695,6 +826,11 @@ class BlockTable:
             return 0
         if total > self.pool.n_free:
             raise OutOfPages(f"need {total} pages, {self.pool.n_free} free")
+        if not self.private_ids:  # counted now, named when read (materialise)
+            self.pool.reserve(total)
+            self.npages[rows] += need
+            self.rows_touched += int(np.count_nonzero(need))
+            return total
         # Work only on the (row, table) entries that grow: in decode a few of the rows x T tables cross a page
         # boundary per step, so this is O(grown tables), not O(rows x T) (rows are distinct requests).
         T = self.layout.n_tables
@@ -732,16 +868,26 @@ class BlockTable:
         if total == 0:
             return 0
         T = self.layout.n_tables
+        self.rows_touched += int(np.count_nonzero(extra))
+        self.npages[rows] = keep  # (nids, an alias of npages with private ids, read before below otherwise)
+        if not self.private_ids:  # pages beyond the ids: by count; the ids beyond ``keep``: as below
+            nids = self.nids[rows]
+            anon = int((keep + extra - np.maximum(keep, nids)).sum())
+            if anon:
+                self.pool.unreserve(anon)
+            lo = np.minimum(keep, nids)
+            extra, keep = nids - lo, lo
+            self.nids[rows] = lo
         flat = extra.ravel()
-        rr = np.repeat(np.repeat(rows, T), flat)
-        tt = np.repeat(np.tile(np.arange(T), rows.size), flat)
-        off = np.arange(total) - np.repeat(np.cumsum(flat) - flat, flat)
-        col = keep.ravel().repeat(flat) + off
-        ids = self.pages[rr, tt, col]
-        self.pool.release(ids)
-        self.pages[rr, tt, col] = -1
-        self.npages[rows] = keep
-        self.rows_touched += int(np.count_nonzero(flat))
+        n_ids = int(flat.sum())
+        if n_ids:
+            rr = np.repeat(np.repeat(rows, T), flat)
+            tt = np.repeat(np.tile(np.arange(T), rows.size), flat)
+            off = np.arange(n_ids) - np.repeat(np.cumsum(flat) - flat, flat)
+            col = keep.ravel().repeat(flat) + off
+            ids = self.pages[rr, tt, col]
+            self.pool.release(ids)
+            self.pages[rr, tt, col] = -1
         return total
 
     def pages_in_use(self) -> int:

@@ -413,7 +413,7 @@ def decode_layer_times(lens: np.ndarray, S: np.ndarray, heads_per_group: int, ba
 
 
 def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: DecodeCosts, *, gq: int,
-                       head_dim: int) -> np.ndarray:
+                       head_dim: int, fixed: np.ndarray | None = None) -> np.ndarray:
     """Seconds per row (layer) of a decode launch whose CTAs, of ``size_bytes`` [L, n] bytes each (float64), come
     as :func:`wave_launch` laid them out: the waves and straggler tail of :func:`launch_wave_time` at the costs'
     bandwidth, lone-CTA rate and rate model, one launch, and where a head is split the merge kernel (``merge_s``
@@ -421,7 +421,8 @@ def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: Decode
     merge). One model of the kernel: the AOT regime choice (:func:`decode_layer_times`, engine and simulator),
     the decode-cost fit (``tangram.sim.fit_decode``) and the simulator's price of every decode step call it."""
     t = launch_wave_time(size_bytes, launch, costs.bw, costs.cta_bw, 0.0, costs.rate_model)
-    return t + launch_fixed_times(launch, costs, gq=gq, head_dim=head_dim)
+    # ``fixed``: this launch's launch_fixed_times, kept by a caller that prices one launch shape again and again
+    return t + (launch_fixed_times(launch, costs, gq=gq, head_dim=head_dim) if fixed is None else fixed)
 
 
 def launch_fixed_times(launch: WaveLaunch, costs: DecodeCosts, *, gq: int, head_dim: int) -> np.ndarray:

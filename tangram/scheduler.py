@@ -109,7 +109,11 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, model: ModelConfig, engine: EngineConfig, profile: BudgetProfile | None = None,
-                 *, pool_bytes: int | None = None, num_pages: int | None = None, prefix_cache: bool = True):
+                 *, pool_bytes: int | None = None, num_pages: int | None = None, prefix_cache: bool = True,
+                 private_ids: bool = True):
+        """``private_ids=False``: a row's private pages are reserved by count and named only when something reads
+        them by id (:class:`tangram.paging.BlockTable`), for an executor that never reads the block table (the
+        simulator's cost model); every decision and count is the same."""
         self.model, self.engine = model, engine
         L, H = model.num_layers, model.num_kv_heads
         self.retention = engine.retention
@@ -136,7 +140,7 @@ class Scheduler:
                 raise ConfigError("give the scheduler pool_bytes or num_pages")
             num_pages = int(pool_bytes // self.layout.page_bytes)
         self.pool = PagePool(num_pages, self.layout.page_bytes)
-        self.bt = BlockTable(self.layout, self.pool, rows=min(engine.max_num_seqs, 64))
+        self.bt = BlockTable(self.layout, self.pool, rows=min(engine.max_num_seqs, 64), private_ids=private_ids)
         self.head_lens = np.zeros((self.bt.pages.shape[0], L, H), dtype=np.int64)
         self.ctx = np.zeros(self.bt.pages.shape[0], dtype=np.int64)
         self.requests: dict[int, Request] = {}
@@ -710,10 +714,13 @@ class Scheduler:
         in progress.
         """
         run = self.running
-        if not run or any(r.status != "running" for r in run):
+        if not run:
             return None
-        dec = [r for r in run if r.prefilled >= r.prompt]
-        pre = [r for r in run if r.prefilled < r.prompt]
+        dec, pre = [], []
+        for r in run:  # one pass over the batch (a replay plans ~30K runs)
+            if r.status != "running":
+                return None
+            (dec if r.prefilled >= r.prompt else pre).append(r)
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
             return None
         if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk

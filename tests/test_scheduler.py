@@ -24,7 +24,16 @@ def tiny_model(L, H):
 def check_invariants(s: Scheduler):
     parked = sum(int(x.parked.npages.sum()) for x in s.sessions.values() if x.parked is not None)
     assert s.pool.n_used == s.bt.pages_in_use() + parked, "page leaked"
-    assert s.pool.in_use.sum() == s.pool.n_used
+    # pages reserved without ids (private_ids=False) are exactly the rows' unnamed ones
+    anon = int((s.bt.npages - s.bt.nids).sum()) + sum(x.parked.anon for x in s.sessions.values()
+                                                        if x.parked is not None)
+    assert anon == s.pool.n_anon
+    assert s.pool.in_use.sum() + s.pool.n_anon == s.pool.n_used
+    col = np.arange(s.bt.pages.shape[2])[None, None, :]
+    below = col < s.bt.nids[:, :, None]
+    assert (s.bt.pages[below] >= 0).all()  # ids in the first nids columns (beyond: -1 with ids, else never read)
+    if s.bt.private_ids:
+        assert (s.bt.pages[~below] == -1).all()
     # free stack holds distinct pages, none in use
     free = s.pool.free_ids()
     assert np.unique(free).size == free.size and not s.pool.in_use[free].any()
@@ -90,19 +99,20 @@ op_strategy = st.one_of(
 @given(mode=st.sampled_from(["full", "uniform", "dynamic", "br", "br+rp", "tangram"]),
        L=st.integers(1, 4), H=st.sampled_from([1, 2, 4, 8]), hp_idx=st.integers(0, 3),
        page=st.sampled_from([1, 3, 16]), chunk=st.sampled_from([64, 256, 1000]), pool=st.integers(30, 400),
-       seed=st.integers(0, 2**31), ops=st.lists(op_strategy, min_size=1, max_size=25), clustering=st.booleans())
+       seed=st.integers(0, 2**31), ops=st.lists(op_strategy, min_size=1, max_size=25), clustering=st.booleans(),
+       private_ids=st.booleans())
 # found by hypothesis: s0's resident history (its output kept uncompressed) plus its next turn outgrew the pool
 # while a recompute fitted, and the turn waited forever behind its own parked pages
 @example(mode="uniform", L=1, H=1, hp_idx=0, page=1, chunk=64, pool=111, seed=775,
-         ops=[("new", 120, 14, 2), ("step", 2), ("step", 1), ("new", 1, 13, 1)], clustering=False)
-def test_random_workloads_no_leak(mode, L, H, hp_idx, page, chunk, pool, seed, ops, clustering):
+         ops=[("new", 120, 14, 2), ("step", 2), ("step", 1), ("new", 1, 13, 1)], clustering=False, private_ids=True)
+def test_random_workloads_no_leak(mode, L, H, hp_idx, page, chunk, pool, seed, ops, clustering, private_ids):
     divs = [d for d in range(1, H + 1) if H % d == 0]
     hp = divs[hp_idx % len(divs)]
     model = tiny_model(L, H)
     prof = synthetic_profile(L, H, 0.3, seed=seed % 1000)
     eng = EngineConfig(mode=mode, page_size=page, heads_per_group=hp, chunk_size=chunk, max_batched_tokens=chunk * 2,
                        max_num_seqs=8, clustering=clustering)
-    s = Scheduler(model, eng, prof, num_pages=pool)
+    s = Scheduler(model, eng, prof, num_pages=pool, private_ids=private_ids)
     rng = np.random.default_rng(seed)
     state = {}
     drive(s, rng, ops, prof, eng.reserve_exact, state)
