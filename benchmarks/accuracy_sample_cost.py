@@ -5,9 +5,11 @@ equivalence of two runs' results.
 after ``--``), in this process with one torch thread, for the jobs named by ``--jobs`` (``task:NAME:INDEX:LENGTH``,
 ``curve:NAME:INDEX:LENGTH`` or ``kl:INDEX``); each finished job is appended to ``--out`` in ``partial.jsonl``'s line
 format with its ``cpu_seconds`` (process user + system time, insensitive to other jobs on the cores).
-``--cprofile FILE`` writes the cProfile stats (on process time) of all jobs.
+``--cprofile FILE`` writes the cProfile stats (on process time) of all jobs; ``--torch-profile`` prints the torch
+ops' self CPU time over all jobs, grouped (GEMM, SDPA, cat, dtype copies, ...).
 
-``compare A B``: two such files (or two ``partial.jsonl``) job by job: per-mode task verdicts and first wrong
+``compare A B``: two such files (or two ``partial.jsonl``) job by job (a job computed in other numerics, e.g.
+``--dtype bfloat16-f32compute`` against ``bfloat16``, is the same job): per-mode task verdicts and first wrong
 position must be identical, kept shares and KL equal within ``--rtol`` (relative, 1e-6 by default, with an absolute
 floor of 1e-9 for values near zero); prints the largest differences and the CPU seconds of each job side by side.
 Exit 1 when they differ.
@@ -55,6 +57,11 @@ def run(ns, rest: list[str]) -> int:
     opts = job_options(args)
     evaluate.init_worker(args.model, args.weights, 1, modes, opts)
     jobs = [_parse_job(j) for j in ns.jobs.split(",") if j]
+    tprof = None
+    if ns.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+        tprof = profile(activities=[ProfilerActivity.CPU])
+        tprof.__enter__()
     prof = None
     if ns.cprofile:
         import cProfile
@@ -74,7 +81,37 @@ def run(ns, rest: list[str]) -> int:
             print(f"{j}: {r['cpu_seconds']:.2f} CPU-s, {time.time() - t0:.2f} s wall, {len(modes)} modes", flush=True)
     if prof is not None:
         prof.dump_stats(ns.cprofile)
+    if tprof is not None:
+        tprof.__exit__(None, None, None)
+        _print_op_groups(tprof)
     return 0
+
+
+def _op_group(name: str) -> str:
+    if any(s in name for s in ("addmm", "aten::mm", "aten::bmm", "aten::matmul")):
+        return "GEMM (mm/bmm)"
+    if "scaled_dot_product" in name or "flash_attention" in name:
+        return "SDPA"
+    if name in ("aten::copy_", "aten::_to_copy", "aten::to"):
+        return "dtype copies"
+    if "softmax" in name:
+        return "softmax"
+    if name == "aten::cat":
+        return "cat"
+    if "sort" in name or "topk" in name:
+        return "sort/topk"
+    return "elementwise/other"
+
+
+def _print_op_groups(tprof) -> None:
+    """Self CPU time of torch ops over all jobs, grouped (``--torch-profile``)."""
+    groups: dict[str, float] = {}
+    for e in tprof.key_averages():
+        g = _op_group(e.key)
+        groups[g] = groups.get(g, 0.0) + e.self_cpu_time_total / 1e6
+    tot = sum(groups.values()) or 1.0
+    for g, v in sorted(groups.items(), key=lambda x: -x[1]):
+        print(f"  {g:20s} {v:8.2f} s {100 * v / tot:5.1f}%")
 
 
 def _load(path: str) -> dict[str, dict]:
@@ -85,7 +122,9 @@ def _load(path: str) -> dict[str, dict]:
             d = json.loads(ln)
         except json.JSONDecodeError:
             continue
-        out[json.dumps(d["job"])] = d["result"]
+        # the numerics label of a job's key (accuracy_report._versioned) is left out: compare matches the same
+        # sample computed in two numerics
+        out[json.dumps([x for x in d["job"] if not (isinstance(x, str) and x.startswith("numerics="))])] = d["result"]
     return out
 
 
@@ -118,7 +157,7 @@ def compare(ns) -> int:
                 if a.get(f) != b.get(f):
                     x, y = np.asarray(a.get(f)), np.asarray(b.get(f))
                     n = int((x != y).sum()) if x.shape == y.shape else -1
-                    notes.append(f"{f} differs in {n} entries")
+                    notes.append(f"{f} differs in {n} of {x.size} entries")
                     failed = True
         for f in ("kept", "kl", "top1"):
             if f in a or f in b:
@@ -155,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobs", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--cprofile", default=None)
+    r.add_argument("--torch-profile", action="store_true", help="print torch ops' self CPU time, grouped")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")

@@ -482,3 +482,148 @@ def test_greedy_takes_the_first_largest_logit_in_every_precision():
                              for a in range(5)])
         assert torch.equal(greedy(y), want)
         assert torch.equal(greedy(y[0, 0]), want[0, 0])
+
+
+# ------------------------------------------------------------------ numerics of the task model
+
+
+def test_resume_never_reuses_a_sample_computed_in_other_numerics(tmp_path):
+    """The task model's numerics (--dtype) are part of every task/curve row's resume key and are checked on the
+    row: a file holding rows of several numerics under one fingerprint (files merged from several runs) feeds each
+    run only its own; rows without a label are the bfloat16 rows written before the label existed; KL rows run in
+    float32 whatever --dtype says and are shared."""
+    from tangram.profiles.accuracy_report import _Book, _job_of, _versioned
+    from tangram.profiles.evaluate import NUMERICS
+    assert len(NUMERICS) >= 3
+    job = ["task", "passkey", 0, 512]
+    base = {"kind": "task", "task": "passkey", "index": 0, "length": 512, "task_version": 1}
+    keys = {n: json.dumps(_job_of({**base, "numerics": n})) for n in NUMERICS}
+    assert len(set(keys.values())) == len(NUMERICS)  # the label is in the key
+    assert all(json.dumps(_versioned(job, n)) == k for n, k in keys.items())
+    assert _job_of(base) == job  # rows written before the label: bfloat16, key unchanged
+    path, fp = tmp_path / "partial.jsonl", {"x": 1}
+    rows = [(job, dict(base, correct=[[1]]))]  # a legacy bfloat16 row
+    rows += [(_job_of(dict(base, numerics=n)), dict(base, numerics=n, correct=[[i]]))
+             for i, n in enumerate(n for n in NUMERICS if n != "bfloat16")]
+    rows.append((job, dict(base, numerics="bfloat16-f32compute", correct=[[7]])))  # mislabelled key: the row wins
+    kl = {"kind": "kl", "task": "kl_text", "index": 0, "kl": [0.0]}
+    rows.append((["kl", 0], kl))
+    path.write_text("\n".join(json.dumps(x) for x in [{"fingerprint": json.dumps(fp, sort_keys=True)}]
+                              + [{"job": j, "result": r} for j, r in rows]) + "\n")
+    for n in NUMERICS:
+        b = _Book(path, fp, fresh=False, numerics=n)
+        assert b.has(tuple(job)) and b.has(("kl", 0)) and len(b.done) == 2
+        got = [r for r in b.done.values() if r["kind"] == "task"]
+        assert len(got) == 1 and got[0].get("numerics", "bfloat16") == n
+        b.close()
+    b = _Book(path, fp, fresh=False, numerics="bfloat16")
+    assert b.done[keys["bfloat16"]]["correct"] == [[1]]  # the legacy row, not the mislabelled one
+    b.close()
+    p2 = tmp_path / "p2.jsonl"
+    b = _Book(p2, fp, fresh=False, numerics="bfloat16-f32compute")
+    b.add(dict(base, numerics="bfloat16-f32compute", correct=[[1]]))
+    b.close()
+    assert _Book(p2, fp, fresh=False, numerics="bfloat16-f32compute").has(tuple(job))
+    assert not _Book(p2, fp, fresh=False, numerics="bfloat16").has(tuple(job))
+    assert not _Book(p2, fp, fresh=False, numerics="float32").has(tuple(job))
+
+
+def _bf16_ulp_bound(ref: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+    """|out - ref| allowed for a float32-accumulated result rounded to bfloat16: half an ulp of bfloat16 (2^-8
+    relative, round to nearest) plus the accumulation's error bound ``accum`` (Higham's gamma_n bound)."""
+    return 2.0 ** -8 * ref.abs() + (1 + 2.0 ** -8) * accum
+
+
+def test_f32compute_linear_equals_the_float64_reference_within_bfloat16_rounding():
+    """bfloat16-f32compute's GEMM: the float64 product of the same bfloat16 inputs, rounded to bfloat16. Bound:
+    |out - ref| <= 2^-8 |ref| + K 2^-24 sum_k |x_k w_k| (K = 576, SmolLM2's hidden size); the same bound holds for
+    torch's bfloat16 kernel, and the two round to the same bfloat16 in almost every entry."""
+    from torch import nn
+
+    from tangram.profiles.evaluate import F32ComputeLinear
+    g = torch.Generator().manual_seed(3)
+    K, N = 576, 1536
+    lin = nn.Linear(K, N, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(N, generator=g) * 0.1)
+    x = (torch.randn(3, 40, K, generator=g) * 2).to(torch.bfloat16)
+    ref = x.double() @ lin.weight.double().T + lin.bias.double()
+    accum = K * 2.0 ** -24 * ((x.double().abs() @ lin.weight.double().abs().T) + lin.bias.double().abs())
+    native = lin(x)
+    lin.__class__ = F32ComputeLinear
+    lin.w32, lin.b32 = lin.weight.detach().float(), lin.bias.detach().float()
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.double() - ref).abs() <= _bf16_ulp_bound(ref, accum)).all()
+    assert ((native.double() - ref).abs() <= _bf16_ulp_bound(ref, 2 * accum)).all()
+    assert (out == native).double().mean() > 0.98
+
+
+def test_f32compute_attention_equals_the_float64_reference_and_caches_exact_values():
+    """bfloat16-f32compute's attention (EvalAttention with a float32 cache): K/V cached as the exact float32 images
+    of the bfloat16 keys and values (observers see the bfloat16 model's numbers), the output within bfloat16
+    rounding (2^-8 relative: bfloat16 keeps 8 significant bits) plus 1e-5 of the float64 attention over the kept keys, evicted keys poisoned."""
+    from tangram.config import get_model
+    from tangram.engine.model import AttnContext
+    from tangram.profiles.evaluate import EvalAttention
+    cfg = get_model("smollm2-135m")
+    H, Hq, D, T0, T1 = cfg.num_kv_heads, cfg.num_q_heads, cfg.head_dim, 50, 7
+    g = torch.Generator().manual_seed(9)
+    att = EvalAttention(cfg)
+    att.kv_dtype = torch.float32
+    seen = []
+    att.observers = [lambda ev: seen.append(ev.k)]
+    bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    q0, k0, v0 = bf(2, Hq, T0, D), bf(2, H, T0, D), bf(2, H, T0, D)
+    out0 = att(0, q0, k0, v0, AttnContext(torch.arange(T0)))
+    assert att.k[0].dtype == torch.float32 and torch.equal(att.k[0], k0.float()) and torch.equal(seen[0], k0.float())
+    keep = torch.rand(2, H, T0, generator=g) < 0.5
+    keep[..., 0] = True
+    att.evict(0, 0, keep)
+    att.k[0] = torch.where(keep[..., None], att.k[0], torch.full_like(att.k[0], 1e4))  # poison evicted keys
+    q1, k1, v1 = bf(2, Hq, T1, D), bf(2, H, T1, D), bf(2, H, T1, D)
+    out1 = att(0, q1, k1, v1, AttnContext(torch.arange(T0, T0 + T1)))
+    assert out0.dtype == out1.dtype == torch.bfloat16
+    gq = Hq // H
+    for out, q, Kd, Vd, kp, qpos in (
+            (out0, q0, k0.double(), v0.double(), torch.ones(2, H, T0, dtype=torch.bool), torch.arange(T0)),
+            (out1, q1, torch.cat([k0, k1], 2).double(), torch.cat([v0, v1], 2).double(),
+             torch.cat([keep, torch.ones(2, H, T1, dtype=torch.bool)], 2), torch.arange(T0, T0 + T1))):
+        N = Kd.shape[2]
+        s = torch.einsum("bhtd,bhnd->bhtn", q.double(), Kd.repeat_interleave(gq, 1)) / math.sqrt(D)
+        ok = kp.repeat_interleave(gq, 1)[:, :, None, :] & (torch.arange(N)[None, None, None, :] <= qpos[:, None])
+        ref = torch.softmax(s.masked_fill(~ok, -math.inf), -1) @ Vd.repeat_interleave(gq, 1)
+        assert ((out.double() - ref).abs() <= 2.0 ** -8 * ref.abs() + 1e-5).all()
+
+
+def test_f32compute_model_is_the_bfloat16_model_with_float32_gemms(smollm2):
+    """numerics_model: bfloat16-f32compute holds the bfloat16 model's weights (state dict equal bit for bit), every
+    linear layer computes in float32 from exact float32 copies of them, the KV cache is float32; its logits on a
+    prompt agree with the bfloat16 model's about as closely as bfloat16 rounding allows (greedy tokens equal
+    at >= 85% of positions of a random-token prompt, whose near ties flip; both far from float32 by the same order)."""
+    from torch import nn
+
+    from tangram.profiles.evaluate import EvalAttention, F32ComputeLinear, _forward, numerics_model
+    model, _ = smollm2
+    bf, fc = numerics_model(model, "bfloat16"), numerics_model(model, "bfloat16-f32compute")
+    assert numerics_model(model, "float32") is model
+    with pytest.raises(ConfigError):
+        numerics_model(model, "float16")
+    sb, sf = bf.state_dict(), fc.state_dict()
+    assert sb.keys() == sf.keys() and all(torch.equal(sb[k], sf[k]) for k in sb)
+    lins = [m for m in fc.modules() if isinstance(m, nn.Linear)]
+    assert lins and all(type(m) is F32ComputeLinear and torch.equal(m.w32, m.weight.float()) for m in lins)
+    assert not any(type(m) is F32ComputeLinear for m in bf.modules()) and fc.kv_dtype == torch.float32
+    ids = torch.randint(0, 49000, (48,), generator=torch.Generator().manual_seed(2)).tolist()
+    out = {}
+    for name, m in (("bf", bf), ("fc", fc), ("f32", model)):
+        att = EvalAttention(model.cfg)
+        att.kv_dtype = getattr(m, "kv_dtype", None)
+        with torch.no_grad():
+            lg = _forward(m, att, ids[:40], 1, False).float()
+            lg = torch.cat([lg, _forward(m, att, ids[40:], 1, False).float()], 1)
+        out[name] = lg[0]
+    assert (out["bf"].argmax(-1) == out["fc"].argmax(-1)).float().mean() >= 0.85
+    d_bf, d_fc = (out["bf"] - out["f32"]).abs().mean(), (out["fc"] - out["f32"]).abs().mean()
+    assert d_fc < 2 * d_bf and d_bf < 2 * d_fc

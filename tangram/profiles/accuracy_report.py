@@ -23,7 +23,7 @@ from tangram.errors import ConfigError
 from tangram.cli import Parser, cli_main
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
-from tangram.profiles.evaluate import SCOPES, Mode
+from tangram.profiles.evaluate import NUMERICS, NUMERICS_DEFAULT, SCOPES, Mode, job_numerics
 from tangram.profiles.tasks import task_version
 
 HEADLINE_TURN = 1  # mt_niah's headline is its first follow-up turn (index 1): the question-agnostic case
@@ -122,10 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=2048, help="prefill chunk C (the engine's default)")
     p.add_argument("--window", type=int, default=None, help="scorers' observation window (default theirs)")
     p.add_argument("--batch", type=int, default=24, help="modes evaluated together as batch rows")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="precision of the task runs (KL and calibration always run in float32)")
+    p.add_argument("--dtype", default=NUMERICS_DEFAULT, choices=list(NUMERICS),
+                   help="numerics of the task runs (KL and calibration always run in float32): "
+                        + "; ".join(f"{k}: {v}" for k, v in NUMERICS.items()))
     p.add_argument("--dtype-check", type=int, default=10,
-                   help="with --dtype bfloat16, also run the full cache in float32 on this many samples per task")
+                   help="with --dtype other than float32, also run the full cache in float32 on this many "
+                        "samples per task")
     p.add_argument("--workers", type=int, default=2, help="processes (each loads the model)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--profiles", default="tangram/profiles/data",
@@ -250,8 +252,9 @@ def run(args, lists: dict, out: Path) -> dict:
     # The curve (full cache only) does not depend on the modes, so it has its own file and fingerprint.
     same = {"model": args.model, "weights": args.weights, **{k: opts[k] for k in ("split", "turns", "chunk", "window",
                                                                                "dtype")}}
-    books = {"curve": _Book(out / "partial_curve.jsonl", dict(same, split=args.curve_split), args.fresh),
-             "main": _Book(out / "partial.jsonl", dict(same, modes=[m.key for m in modes], opts=opts), args.fresh)}
+    books = {"curve": _Book(out / "partial_curve.jsonl", dict(same, split=args.curve_split), args.fresh, args.dtype),
+             "main": _Book(out / "partial.jsonl", dict(same, modes=[m.key for m in modes], opts=opts), args.fresh,
+                           args.dtype)}
     for b in books.values():
         for r in b.done.values():
             raw[r["kind"]].append(r)
@@ -299,10 +302,15 @@ def run(args, lists: dict, out: Path) -> dict:
 
 
 class _Book:
-    """Append-only record of finished samples, valid for one configuration fingerprint."""
+    """Append-only record of finished samples, valid for one configuration fingerprint. ``numerics``: the task
+    model's (``--dtype``); a row is reused only if computed in the numerics its job runs in now (task and curve
+    rows: ``numerics``; KL: float32) and on the task's current definition (``TASK_VERSIONS``): both are part of
+    the row's key (``_job_of``) and checked on the row itself, so a file merged from runs of other numerics or
+    task versions never feeds them into this one."""
 
-    def __init__(self, path: Path, fingerprint: dict, fresh: bool):
+    def __init__(self, path: Path, fingerprint: dict, fresh: bool, numerics: str = NUMERICS_DEFAULT):
         self.path, self.fp = path, json.dumps(fingerprint, sort_keys=True, default=str)
+        self.numerics = numerics
         self.done: dict[str, dict] = {}
         if path.is_file() and not fresh:
             lines = path.read_text().splitlines()
@@ -315,11 +323,13 @@ class _Book:
                     r = d["result"]
                     if r.get("kind") in ("task", "curve") and r.get("task_version", 1) != task_version(r["task"]):
                         continue  # measured on an earlier definition of the task: measured again
-                    self.done[json.dumps(d["job"])] = r
+                    if _numerics_of(r) != job_numerics(r.get("kind"), numerics):
+                        continue  # computed in other numerics: measured again
+                    self.done[json.dumps(_job_of(r))] = r
         self.f = None
 
     def has(self, job: tuple) -> bool:
-        return json.dumps(_versioned(list(job))) in self.done
+        return json.dumps(_versioned(list(job), job_numerics(job[0], self.numerics))) in self.done
 
     def add(self, r: dict) -> None:
         if self.f is None:
@@ -334,17 +344,28 @@ class _Book:
             self.f.close()
 
 
-def _versioned(job: list) -> list:
-    """A task job's key names the task's definition when it is not the first (earlier rows then never match)."""
+def _numerics_of(r: dict) -> str:
+    """The numerics a result row was computed in; rows from before the label are bfloat16 task/curve rows and
+    float32 KL/calibration rows (what those runs computed them in)."""
+    return r.get("numerics") or job_numerics(r.get("kind"), NUMERICS_DEFAULT)
+
+
+def _versioned(job: list, numerics: str) -> list:
+    """A job's resume key. It names the task's definition when it is not the first, and the numerics the
+    sample was computed in when they are not what that kind of job was computed in before the label existed
+    (bfloat16 tasks, float32 KL), so rows of earlier definitions or other numerics never match."""
+    key = list(job)
     if job[0] in ("task", "curve") and task_version(job[1]) > 1:
-        return job + [f"v{task_version(job[1])}"]
-    return job
+        key.append(f"v{task_version(job[1])}")
+    if numerics != job_numerics(job[0], NUMERICS_DEFAULT):
+        key.append(f"numerics={numerics}")
+    return key
 
 
 def _job_of(r: dict) -> list:
     if r["kind"] in ("task", "curve"):
-        return _versioned([r["kind"], r["task"], r["index"], r["length"]])
-    return [r["kind"], r["index"]]
+        return _versioned([r["kind"], r["task"], r["index"], r["length"]], _numerics_of(r))
+    return _versioned([r["kind"], r["index"]], _numerics_of(r))
 
 
 def _jsonable(res: dict) -> dict:
@@ -668,8 +689,10 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
     chk = [(r["full_float32"][0], r["correct"][0][0]) for r in res["raw"]["task"] if "full_float32" in r]
     if chk:
         same = sum(int(a) == int(b) for a, b in chk)
-        L += [f"Precision: task runs in {meta.get('dtype')} (as the GPU engine serves), KL and calibration in "
-              f"float32. The full cache's first-turn verdict in float32 equals the {meta.get('dtype')} one on "
+        dt_ = meta.get("dtype")
+        L += [f"Precision: task runs in `{dt_}` ({NUMERICS.get(dt_, '?')}; bfloat16 values as the GPU engine "
+              f"serves them), KL and calibration in float32. The full cache's first-turn verdict in float32 "
+              f"equals the `{dt_}` one on "
               f"{same} of {len(chk)} checked samples ({sum(int(a) for a, _ in chk)} vs "
               f"{sum(int(b) for _, b in chk)} correct).", ""]
     L += ["## Full-cache accuracy vs context length (choosing the lengths)", "",

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tangram.budgets import BudgetProfile, calibrate
 from tangram.engine.model import Session, TorchAttention
@@ -195,10 +196,20 @@ class EvalAttention(TorchAttention):
     chunk of an empty cache uses causal SDPA (no mask tensor), later calls an additive mask in query blocks, both
     with SDPA's grouped-query path instead of repeating K/V. Tested equal to TorchAttention."""
 
+    kv_dtype: torch.dtype | None = None  # set: K/V cached, and attention computed, in this dtype (see NUMERICS)
+
+    def __call__(self, layer_idx, q, k, v, ctx):
+        if self.kv_dtype is not None and k.dtype != self.kv_dtype:
+            # exact (bfloat16 -> float32): the cache holds the model's values in a wider container, so every
+            # observer (they all upcast before scoring) sees the same numbers
+            k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+        return super().__call__(layer_idx, q, k, v, ctx)
+
     @classmethod
     def fork(cls, base: TorchAttention, rows: int, observers=None) -> "EvalAttention":
         """``rows`` copies of a batch-1 cache (K/V shared as expanded views until the next append)."""
         nb = cls(base.cfg, observers=observers)
+        nb.kv_dtype = getattr(base, "kv_dtype", None)
         for l in range(base.cfg.num_layers):
             if base.k[l] is None:
                 continue
@@ -215,6 +226,7 @@ class EvalAttention(TorchAttention):
         if B == 1:
             return cls.fork(base, len(rows))
         nb = cls(base.cfg)
+        nb.kv_dtype = getattr(base, "kv_dtype", None)
         idx = torch.as_tensor(rows, dtype=torch.long)
         for l in range(base.cfg.num_layers):
             if base.k[l] is None:
@@ -226,6 +238,9 @@ class EvalAttention(TorchAttention):
         return nb
 
     def _attend(self, q, K, V, keep, ctx, scale):
+        """Attention in the cache's dtype (the query's when they are equal), rounded to the query's dtype."""
+        if q.dtype != K.dtype:
+            return self._attend(q.to(K.dtype), K, V, keep, ctx, scale).to(q.dtype)
         B, Hkv, N, _ = K.shape
         T = q.shape[2]
         if N == T:  # empty cache before this call: plain causal attention over the new tokens
@@ -459,6 +474,7 @@ def first_chunk(model, modes: list[Mode], c0: list[int], window: int | None, tok
     base_sc = {s: make_scorer(s, L, window, tokenizer=tokenizer) for s in sorted({m.scorer for m in modes
                                                                                   if m.scorer})}
     base = EvalAttention(model.cfg, observers=list(base_sc.values()))
+    base.kv_dtype = getattr(model, "kv_dtype", None)  # numerics_model: bfloat16-f32compute caches in float32
     logits0 = _forward(model, base, c0, 1, True)[:, -1]
     scores0 = {s: sc.take() for s, sc in base_sc.items() if not sc.extra_forward}
     for s, sc in base_sc.items():
@@ -573,6 +589,58 @@ def write_profiles(samples: dict[tuple[str, str, float], list[np.ndarray]], alph
     return written
 
 
+# --------------------------------------------------------------------------- numerics of the task model
+
+# The task model's numerics (``--dtype``): a label every task/curve result records and its resume key names
+# (accuracy_report._versioned), so results of two numerics are never mixed. KL and calibration run in float32.
+NUMERICS = {
+    "float32": "float32 weights, activations, KV cache and compute",
+    "bfloat16": "bfloat16 weights, activations and KV cache, every op in bfloat16 (torch's CPU bfloat16 kernels)",
+    "bfloat16-f32compute": "the bfloat16 model's weights, activations and KV values (rounded to bfloat16 where it "
+                           "rounds), its GEMMs and attention computed in float32 from those values and rounded "
+                           "to bfloat16 (float32 accumulation, as GPU bfloat16 kernels accumulate)",
+}
+NUMERICS_DEFAULT = "bfloat16"  # task results recorded without a numerics label were computed in bfloat16
+
+
+def job_numerics(kind: str, numerics: str) -> str:
+    """The numerics a job runs in when the task model's are ``numerics``: task and curve samples in those, KL
+    and calibration always in float32."""
+    return numerics if kind in ("task", "curve") else "float32"
+
+
+class F32ComputeLinear(nn.Linear):
+    """A bfloat16 linear layer computed in float32: ``F.linear`` of the upcast input with the upcast weights
+    (both exact: every bfloat16 is a float32), the result rounded to the input's dtype. The same products as
+    the bfloat16 kernel, accumulated in float32 in another order; about 4x faster than torch's bfloat16 GEMM on a
+    CPU without AVX512-BF16. ``weight`` stays the bfloat16 parameter (state dict unchanged)."""
+
+    w32: torch.Tensor
+    b32: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.w32, self.b32).to(x.dtype)
+
+
+def numerics_model(model, numerics: str):
+    """The task model for a ``NUMERICS`` label, from the float32 ``model`` (returned as is for float32)."""
+    from tangram.engine.weights import build_model
+    if numerics not in NUMERICS:
+        raise ConfigError(f"unknown numerics {numerics!r}; choose from {', '.join(NUMERICS)}")
+    if numerics == "float32":
+        return model
+    tm = build_model(model.cfg, model.state_dict(), torch.bfloat16)
+    if numerics == "bfloat16-f32compute":
+        for m in tm.modules():
+            if type(m) is nn.Linear:
+                m.__class__ = F32ComputeLinear
+                m.w32 = m.weight.detach().float()
+                m.b32 = None if m.bias is None else m.bias.detach().float()
+        tm.kv_dtype = torch.float32  # EvalAttention caches K/V in float32 (exact) and attends in float32
+    tm.numerics = numerics
+    return tm
+
+
 # --------------------------------------------------------------------------- worker pool
 
 _W: dict = {}
@@ -583,12 +651,11 @@ def init_worker(model_name: str, weights: str, threads: int, modes: list[Mode], 
     torch.set_num_threads(max(1, threads))
     from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
-    from tangram.engine.weights import build_model
     model, info = load_model(model_name, weights)
     model.eval()
     tok = load_tokenizer(info.get("gguf_path"))
     dtype = opts.get("dtype", "float32")
-    task_model = model if dtype == "float32" else build_model(model.cfg, model.state_dict(), getattr(torch, dtype))
+    task_model = numerics_model(model, dtype)
     _W.update(model=model, task_model=task_model, tok=tok, modes=modes, opts=opts, info=info,
               continues=word_continuation_mask(tok, model.cfg.vocab), loaded=(model_name, weights, dtype))
 
@@ -638,7 +705,8 @@ def _run_job(job: tuple) -> dict:
                             free_check=(len(turns[0][1]) + 4, dec) if kind == "task" and o.get("free_check", True)
                             else None,
                             tokenizer=tok)
-        out = {"kind": kind, "task": task, "task_version": task_version(task), "index": index, "length": length,
+        out = {"kind": kind, "task": task, "task_version": task_version(task),
+               "numerics": job_numerics(kind, o.get("dtype", "float32")), "index": index, "length": length,
                "prompt_tokens": len(turns[0][0]),
                "correct": r.correct, "first_wrong": r.first_wrong, "kept": r.kept, "free": r.free,
                "seconds": r.seconds, "split": split, "depth": s.meta.get("depth", s.meta.get("depths"))}
@@ -653,7 +721,8 @@ def _run_job(job: tuple) -> dict:
         ids, cont = s.meta["context_ids"], s.meta["continuation_ids"]
         r = evaluate_sample(model, modes, [(ids, None)], chunk=o["chunk"], batch=o["batch"], window=o["window"],
                             continuation=cont, tokenizer=tok)
-        return {"kind": "kl", "task": "kl_text", "index": index, "prompt_tokens": len(ids), "kl": r.kl,
+        return {"kind": "kl", "task": "kl_text", "numerics": job_numerics(kind, o.get("dtype", "float32")),
+                "index": index, "prompt_tokens": len(ids), "kl": r.kl,
                 "top1": r.top1, "kept": r.kept, "seconds": r.seconds}
     if kind == "calib":
         from tangram.profiles.corpus import make_sample, TASKS as CTASKS
@@ -694,5 +763,6 @@ def run_jobs(jobs: list[tuple], *, workers: int, threads: int, model_name: str, 
 
 
 __all__ = ["SCOPES", "POLICIES", "Mode", "ProfileStore", "build_modes", "scope_mask", "crosslayer_topk_mask",
-           "EvalAttention", "evaluate_sample", "SampleResult", "prompt_ids", "answer_ids", "build_task_sample",
+           "EvalAttention", "evaluate_sample", "NUMERICS", "NUMERICS_DEFAULT", "numerics_model",
+           "job_numerics", "F32ComputeLinear", "SampleResult", "prompt_ids", "answer_ids", "build_task_sample",
            "retention_of_prompt", "first_chunk", "write_profiles", "run_jobs", "init_worker", "run_job", "word_continuation_mask"]
