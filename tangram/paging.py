@@ -302,7 +302,7 @@ class PagePool:
         self.total_allocs += n
 
     def alloc_reserved(self, n: int) -> np.ndarray:
-        """Ids for ``n`` pages already :meth:`reserve`\ d (each held once, ``ref = 1``); counts stay as they are."""
+        """Ids for ``n`` pages already reserved (:meth:`reserve`; each held once, ``ref = 1``); counts stay as they are."""
         if n > self.n_anon:
             raise AssertionError(f"ids for {n} reserved pages, {self.n_anon} reserved")
         if n == 0:
