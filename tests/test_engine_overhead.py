@@ -34,6 +34,18 @@ def _synthetic_steps(rng, truth, n):
     return kern, meas, kd, kp, comp, aot, graphed
 
 
+
+class _Recording:
+    """An executor that records each (plan, result) of the cost model it wraps."""
+
+    def __init__(self, cm):
+        self.cm, self.seen = cm, []
+
+    def execute(self, plan):
+        r = self.cm.execute(plan)
+        self.seen.append((plan, r))
+        return r
+
 def test_fit_predicts_held_out_steps():
     """Every coefficient, the per-term scales included, is recovered from noisy steps of a random truth."""
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
@@ -148,14 +160,9 @@ def test_cost_model_adds_the_overhead_term(tmp_path):
     n = graphed = 0
     for cm in (on, off):
         s = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
-        seen = []
-
-        class Rec:
-            def execute(self, plan, cm=cm, seen=seen):
-                r = cm.execute(plan)
-                seen.append((plan, r))
-                return r
-        Cluster(tr, [(s, Rec())]).run()
+        rec = _Recording(cm)
+        seen = rec.seen
+        Cluster(tr, [(s, rec)]).run()
         n += len(seen)
         for plan, r in seen:
             kern = sum(v for k, v in r.breakdown.items() if k not in ("host", "runtime_plan", "reclaim",
@@ -453,16 +460,11 @@ def test_cost_model_prices_the_extra_terms_with_its_layout(tmp_path):
         sched = Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30)
         assert sched.layout.n_tables == tables
         cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile, tables=d)
-        seen = []
-
-        class Rec:
-            def execute(self, plan, cm=cm, seen=seen):
-                r = cm.execute(plan)
-                seen.append((plan, r))
-                return r
+        rec = _Recording(cm)
+        seen = rec.seen
         from tangram.harness import Cluster
 
-        Cluster(generate(3, "short", seed=1), [(Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30), Rec())]).run()
+        Cluster(generate(3, "short", seed=1), [(Scheduler(LLAMA, eng, prof, pool_bytes=8 * 2**30), rec)]).run()
         kinds = set()
         for plan, r in seen:
             terms = {t: sum(r.breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in eo.TERM_KEYS.items()}
