@@ -22,7 +22,7 @@ from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
                              launch_fixed_times, launch_layer_times, launch_wave_time, pow2_bucket, runtime_plan,
-                             wave_launch)
+                             tail_layer_times, tail_wave_time, wave_launch)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -499,11 +499,8 @@ class CostModel:
         its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
         kd, L, H = lens.shape
         plan_s = 0.0
-        by_layer = lens.transpose(1, 0, 2)  # launch order: request, slot, split
-        size = np.empty((L, kd, H))  # CTA sizes in tokens, then bytes (row-major: a free reshape to [L, kd*H])
         if self.partition == "aot":
             reps = self._aot_reps(kd, context)
-            np.divide(by_layer, reps.reshape(L, kd, H), out=size)
             key = ("aot", kd, context if context is None else decode_context_bucket(context))
         elif self.partition == "static":
             d = self.model.head_dim
@@ -512,27 +509,41 @@ class CostModel:
             s = self._static_split(kd * H, max(1, n_blocks))
             if L > 1 and (lens == lens[:, :1, :1]).all():
                 return self._static_alike(lens[:, 0], s, L), plan_s
-            np.divide(by_layer, s, out=size)
             key = ("static", L, kd * H, s)
             reps = None if key in self._launches else np.full((L, kd * H), s, dtype=np.int64)
         else:  # runtime: FlashInfer-style per-layer plan recomputed every step on the host
             rp = runtime_plan(lens, self.n_cta)
             reps = np.stack(rp.splits).astype(np.int64).reshape(L, -1)  # [L, kd * H]
-            np.divide(by_layer, reps.reshape(L, kd, H), out=size)
             plan_s = rp.host_items * self.host.runtime_plan_item_s
             key = None
-        size *= self.tok_head_bytes
-        launch, n_partials, self._dec_fixed, rows = self._launch(key, reps)
-        return self._decode_total(size.reshape(L, -1), launch, n_partials, rows), plan_s
+        launch, n_partials, self._dec_fixed, rows, at, cut = self._launch(key, reps, lens.shape)
+        return self._decode_total(lens, launch, n_partials, rows, at, cut), plan_s
 
-    def _decode_total(self, size: np.ndarray, launch, n_partials: int, fixed: np.ndarray | None = None) -> float:
-        """Seconds of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch`` (summed over its
-        layers): :meth:`_layer_times` with fitted decode costs, else the fallback's sum as one expression."""
+    def _decode_total(self, lens: np.ndarray, launch, n_partials: int, fixed: np.ndarray | None, at: np.ndarray,
+                      cut: np.ndarray) -> float:
+        """Seconds of a decode launch on heads holding ``lens`` [kd, L, H] tokens (summed over its layers):
+        :meth:`_lens_layer_times` with fitted decode costs, else the fallback's sum as one expression."""
+        t = float(self._lens_layer_times(lens, launch, fixed, at, cut).sum())
         if self.price_costs is not None:
-            return float(self._layer_times(size, launch, fixed).sum())
-        t = float(launch_wave_time(size, launch, self.dec_bw, self.cta_bw).sum())
+            return t
         combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-        return t + combine + size.shape[0] * self.dec_launch  # the fitted intercept of a call includes its merge
+        return t + combine + launch.reps.shape[0] * self.dec_launch  # the fitted intercept of a call includes its merge
+
+    def _lens_layer_times(self, lens: np.ndarray, launch, fixed: np.ndarray | None, at: np.ndarray,
+                          cut: np.ndarray) -> np.ndarray:
+        """Per layer of a launch laid out as ``launch`` (CTAs in the order layer, request, slot, split) on heads
+        holding ``lens`` [kd, L, H] tokens: :meth:`_layer_times`'s seconds with fitted decode costs, the fallback's
+        wave time alone without. A layer's bytes are its heads' tokens (the CTAs of a head split them), and only
+        the last wave's CTAs are sized one by one (``at``: their heads' flat index into ``lens``, ``cut``: the CTAs
+        that head is split into; :meth:`_launch`), so a pricing costs the size of the last wave, not of the
+        launch (:func:`tangram.planner.tail_wave_time`)."""
+        total = lens.sum(axis=0).sum(axis=1) * float(self.tok_head_bytes)  # [L] bytes (exact integers)
+        tail = lens.reshape(-1)[at] / cut
+        tail *= self.tok_head_bytes
+        c = self.price_costs
+        if c is not None:
+            return tail_layer_times(total, tail, launch, c, gq=self.gq, head_dim=self.model.head_dim, fixed=fixed)
+        return tail_wave_time(total, tail, launch, self.dec_bw, self.cta_bw)
 
     def _layer_times(self, size: np.ndarray, launch, fixed: np.ndarray | None = None) -> np.ndarray:
         """Seconds per layer of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch``: the fitted
@@ -562,28 +573,35 @@ class CostModel:
         each layer's wave time is the same float; one layer is priced and its time summed over the L layers as the
         per-layer times are (bit-identical, L times less work)."""
         kd, H = lens0.shape
-        size = np.divide(lens0, s).reshape(1, -1)
-        size *= self.tok_head_bytes
         key = ("static", 1, kd * H, s)
-        launch, n_partials, fixed, rows = self._launch(key, None if key in self._launches else np.full(
-            (1, kd * H), s, dtype=np.int64))
+        lens1 = lens0[:, None, :]  # one layer, [kd, 1, H]
+        launch, n_partials, fixed, rows, at, cut = self._launch(key, None if key in self._launches else np.full(
+            (1, kd * H), s, dtype=np.int64), lens1.shape)
         self._dec_fixed = L * fixed
+        per = self._lens_layer_times(lens1, launch, rows, at, cut)
         if self.price_costs is not None:
-            return float(np.full(L, self._layer_times(size, launch, rows)[0]).sum())
-        per = launch_wave_time(size, launch, self.dec_bw, self.cta_bw)
+            return float(np.full(L, per[0]).sum())
         t = float(np.full(L, per[0]).sum())
         combine = L * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         return t + combine + L * self.dec_launch
 
-    def _launch(self, key, reps: np.ndarray | None) -> tuple:
-        """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`), its CTA count and the fixed
-        seconds of its rows (:meth:`_fixed_rows`), kept for the last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is
-        kept; None: not kept). A running batch is priced again at every refresh with the same CTA counts: only
-        sizes change."""
+    def _launch(self, key, reps: np.ndarray | None, shape: tuple) -> tuple:
+        """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`), its CTA count, the fixed
+        seconds of its rows (:meth:`_fixed_rows`) and where its last wave's CTAs read their heads' tokens in a
+        ``lens`` array of ``shape`` [kd, L, H] (their flat index, and the CTAs their head is split into), kept for
+        the last few launch shapes (``key``: what determines ``reps``, which may be None when ``key`` is kept;
+        None: not kept). A running batch is priced again at every refresh with the same CTA counts: only sizes
+        change."""
         hit = self._launches.get(key) if key is not None else None
         if hit is None:
             launch = wave_launch(reps, self.n_occ)
-            hit = (launch, int(reps.sum()), *self._fixed_rows(launch))
+            kd, L, H = shape
+            src = launch.src  # flat index into [L, kd * H] (layer, request, slot)
+            layer, rest = np.divmod(src, kd * H)
+            row, slot = np.divmod(rest, H)
+            at = (row * L + layer) * H + slot  # into [kd, L, H]
+            cut = launch.reps.reshape(-1)[src]
+            hit = (launch, int(reps.sum()), *self._fixed_rows(launch), at, cut)
             if key is not None:
                 # a running batch's size goes up and down as turns join and leave: the last 64 shapes are kept
                 if len(self._launches) >= 64:

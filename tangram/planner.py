@@ -368,13 +368,24 @@ def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_
     L = size_bytes.shape[0]
     if launch.empty:
         return np.zeros(L)
-    N, w = launch.n_occ, launch.width
     total = (size_bytes * launch.reps).sum(axis=1)
-    tail_bytes = (size_bytes * launch.k).sum(axis=1)
-    body = (total - tail_bytes) / bw
+    return tail_wave_time(total, size_bytes.reshape(-1)[launch.src], launch, bw, cta_bw, cta_s, rate_model)
+
+
+def tail_wave_time(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
+                   cta_s: float = 0.0, rate_model: str = "capped") -> np.ndarray:
+    """:func:`launch_wave_time` from the two things it reads of the sizes: each row's bytes (``total`` [L], all
+    its CTAs) and the bytes of each CTA of its last wave (``tail`` [m], in ``launch.src`` order). A caller that
+    knows a row's bytes without its CTAs' (the simulator: the CTAs of a head split its tokens, so a layer's bytes
+    are its heads' tokens) prices a launch in the size of its last wave instead of all its CTAs."""
+    L = total.shape[0]
+    if launch.empty:
+        return np.zeros(L)
+    N, w = launch.n_occ, launch.width
     # each sorted row starts with its zero padding, so only the longest tail's columns need sorting
     sub = np.zeros((L, w))
-    sub.reshape(-1)[launch.dst] = size_bytes.reshape(-1)[launch.src]
+    sub.reshape(-1)[launch.dst] = tail
+    body = (total - sub.sum(axis=1)) / bw
     sub.sort(axis=1)
     diffs = np.empty((L, N))  # np.diff(tail, prepend=0), without the concatenation; the tail is [0.., sub]
     diffs[:, :N - w] = 0.0
@@ -420,7 +431,16 @@ def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: Decode
     plus the fp32 partials, each ``gq x (head_dim + 2)`` floats, written by the first kernel and read by the
     merge). One model of the kernel: the AOT regime choice (:func:`decode_layer_times`, engine and simulator),
     the decode-cost fit (``tangram.sim.fit_decode``) and the simulator's price of every decode step call it."""
-    t = launch_wave_time(size_bytes, launch, costs.bw, costs.cta_bw, 0.0, costs.rate_model)
+    L = size_bytes.shape[0]
+    total = (size_bytes * launch.reps).sum(axis=1) if not launch.empty else np.zeros(L)
+    return tail_layer_times(total, size_bytes.reshape(-1)[launch.src], launch, costs, gq=gq, head_dim=head_dim,
+                            fixed=fixed)
+
+
+def tail_layer_times(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, costs: DecodeCosts, *, gq: int,
+                     head_dim: int, fixed: np.ndarray | None = None) -> np.ndarray:
+    """:func:`launch_layer_times` from each row's bytes and its last wave's CTAs' (:func:`tail_wave_time`)."""
+    t = tail_wave_time(total, tail, launch, costs.bw, costs.cta_bw, 0.0, costs.rate_model)
     # ``fixed``: this launch's launch_fixed_times, kept by a caller that prices one launch shape again and again
     return t + (launch_fixed_times(launch, costs, gq=gq, head_dim=head_dim) if fixed is None else fixed)
 
