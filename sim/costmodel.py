@@ -143,6 +143,17 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
     return _CTA_FIT_CACHE[key]
 
 
+def _groups(keys: list) -> dict:
+    """Positions of each distinct key, in first-seen order: a list of them, or ``slice(None)`` when every key is
+    the same (the usual case, and one pricing of one point: no fancy indexing)."""
+    if all(k == keys[0] for k in keys):
+        return {keys[0]: slice(None)}
+    out: dict = {}
+    for i, k in enumerate(keys):
+        out.setdefault(k, []).append(i)
+    return out
+
+
 class CostModel:
     """``execute(plan) -> StepResult`` for one engine replica; deterministic given ``seed``."""
 
@@ -382,20 +393,33 @@ class CostModel:
         ctx = int(run.ctx0.max()) + np.arange(1, k + 1)  # the batch's longest context at each step
         b0, b1 = decode_context_bucket(int(ctx[0])), decode_context_bucket(int(ctx[-1]))
         bucket = np.full(k, b0) if b0 == b1 else np.array([decode_context_bucket(int(x)) for x in ctx])
-        while i < k:
-            if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
-                m = int(np.searchsorted(totals, c[1] * (1.0 + self.params.decode_refresh), side="right"))
-                m = i + int(np.argmin(np.append(bucket[i:m] == c[4], False))) if m > i else m  # same split map
-                if m > i:
-                    fixed = c[3]
-                    out[i:m] = fixed + (c[2] - fixed) * totals[i:m] / max(c[1], 1)
-                    i = m
-                    continue
-            t, _ = self._decode_attention(run.head_lens0 + (i + 1), int(ctx[i]))
-            out[i] = t
-            c = (ids.copy(), int(totals[i]), t, self._dec_fixed, int(bucket[i]))
-            caches.append((i + 1, c))
-            i += 1
+        up = 1.0 + self.params.decode_refresh
+
+        def rescaled(i: int, base: int, b: int) -> int:
+            """End of the steps from ``i`` a pricing of ``base`` tokens in bucket ``b`` rescales to."""
+            m = int(np.searchsorted(totals, base * up, side="right"))
+            return i + int(np.argmin(np.append(bucket[i:m] == b, False))) if m > i else m
+
+        segs = []  # (first step, end): step ``first`` priced in full, the steps after it up to ``end`` rescaled
+        if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
+            m = rescaled(0, c[1], c[4])
+            if m > 0:
+                fixed = c[3]
+                out[:m] = fixed + (c[2] - fixed) * totals[:m] / max(c[1], 1)
+                i = m
+        while i < k:  # where the rule prices in full depends on the token counts alone, not on the prices
+            m = rescaled(i + 1, int(totals[i]), int(bucket[i]))
+            segs.append((i, max(m, i + 1)))
+            i = max(m, i + 1)
+        if segs:
+            first = np.array([a for a, _ in segs])
+            t, fixed = self._decode_prices(run.head_lens0, first + 1, ctx[first])
+            for (a, e), ta, fa in zip(segs, t.tolist(), fixed.tolist()):
+                out[a] = ta
+                c = (ids.copy(), int(totals[a]), ta, fa, int(bucket[a]))
+                caches.append((a + 1, c))
+                if e > a + 1:
+                    out[a + 1:e] = fa + (ta - fa) * totals[a + 1:e] / max(c[1], 1)
         return out, None, caches
 
     # ------------------------------------------------------------------ dense layers
@@ -498,47 +522,78 @@ class CostModel:
         """Per layer: CTAs in launch order, dispatched in waves of the resident CTAs; a wave lasts as long as
         its bytes at full bandwidth or its heaviest CTA at one CTA's streaming rate, whichever is longer."""
         kd, L, H = lens.shape
-        plan_s = 0.0
-        if self.partition == "aot":
-            reps = self._aot_reps(kd, context)
-            key = ("aot", kd, context if context is None else decode_context_bucket(context))
-        elif self.partition == "static":
-            d = self.model.head_dim
-            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
-            n_blocks = -(-int(lens.max(initial=1)) // block_n)
-            s = self._static_split(kd * H, max(1, n_blocks))
-            if L > 1 and (lens == lens[:, :1, :1]).all():
-                return self._static_alike(lens[:, 0], s, L), plan_s
-            key = ("static", L, kd * H, s)
-            reps = None if key in self._launches else np.full((L, kd * H), s, dtype=np.int64)
-        else:  # runtime: FlashInfer-style per-layer plan recomputed every step on the host
+        if self.partition == "runtime":  # FlashInfer-style per-layer plan recomputed every step on the host
             rp = runtime_plan(lens, self.n_cta)
             reps = np.stack(rp.splits).astype(np.int64).reshape(L, -1)  # [L, kd * H]
-            plan_s = rp.host_items * self.host.runtime_plan_item_s
-            key = None
-        launch, n_partials, self._dec_fixed, rows, at, cut = self._launch(key, reps, lens.shape)
-        return self._decode_total(lens, launch, n_partials, rows, at, cut), plan_s
+            launch, n_partials, self._dec_fixed, rows, at, cut = self._launch(None, reps, lens.shape)
+            t = self._lens_totals(lens, np.zeros(1, dtype=np.int64), launch, n_partials, rows, at, cut, L)
+            return float(t[0]), rp.host_items * self.host.runtime_plan_item_s
+        t, fixed = self._decode_prices(lens, np.zeros(1, dtype=np.int64), None if context is None else
+                                       np.array([context]))
+        self._dec_fixed = float(fixed[0])
+        return float(t[0]), 0.0
 
-    def _decode_total(self, lens: np.ndarray, launch, n_partials: int, fixed: np.ndarray | None, at: np.ndarray,
-                      cut: np.ndarray) -> float:
-        """Seconds of a decode launch on heads holding ``lens`` [kd, L, H] tokens (summed over its layers):
-        :meth:`_lens_layer_times` with fitted decode costs, else the fallback's sum as one expression."""
-        t = float(self._lens_layer_times(lens, launch, fixed, at, cut).sum())
+    def _decode_prices(self, lens0: np.ndarray, offs: np.ndarray, contexts: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_decode_attention` of the heads ``lens0`` [kd, L, H] grown by ``offs[i]`` tokens each (a running
+        batch's decode steps), the batch's longest context ``contexts[i]``, for every i at once (aot and static
+        partitions): seconds [m] and the fixed part of each pricing (the rescale cache's). Points of one launch
+        shape are priced together, each exactly as alone."""
+        kd, L, H = lens0.shape
+        m = offs.size
+        out, fixed = np.empty(m), np.empty(m)
+        if self.partition == "aot":
+            groups = _groups([None] * m if contexts is None else
+                             [decode_context_bucket(c) for c in contexts.tolist()])
+            for b, idx in groups.items():
+                ctx = None if b is None else int(contexts[idx[0] if isinstance(idx, list) else 0])  # its map
+                launch, n_partials, f, rows, at, cut = self._launch(("aot", kd, b), self._aot_reps(kd, ctx),
+                                                                   lens0.shape)
+                out[idx] = self._lens_totals(lens0, offs[idx], launch, n_partials, rows, at, cut, L)
+                fixed[idx] = f
+            return out, fixed
+        d = self.model.head_dim
+        block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
+        top = int(lens0.max()) if lens0.size else 0
+        groups = _groups([self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()])
+        alike = L > 1 and bool((lens0 == lens0[:, :1, :1]).all())
+        base = lens0[:, :1] if alike else lens0  # alike: one layer priced, summed L times
+        for sp, idx in groups.items():
+            key = ("static", base.shape[1], kd * H, sp)
+            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else np.full(
+                (base.shape[1], kd * H), sp, dtype=np.int64), base.shape)
+            out[idx] = self._lens_totals(base, offs[idx], launch, n_partials, rows, at, cut, L)
+            fixed[idx] = L * f if alike else f
+        return out, fixed
+
+    def _lens_totals(self, lens0: np.ndarray, offs: np.ndarray, launch, n_partials: int,
+                     fixed: np.ndarray | None, at: np.ndarray, cut: np.ndarray, L: int) -> np.ndarray:
+        """Seconds [m] of a decode launch laid out as ``launch`` on heads holding ``lens0 + offs[i]`` tokens,
+        summed over ``L`` layers (``lens0`` [kd, l, H]: l = L, or one layer standing for L alike ones, whose
+        seconds are each layer's): :meth:`_lens_layer_times`, plus the fallback's merge partials and call
+        intercepts without fitted decode costs."""
+        per = self._lens_layer_times(lens0, offs, launch, fixed, at, cut)  # [m, l]
+        if per.shape[1] != L:  # one layer for L alike ones: its seconds summed as L equal layers' are
+            per = np.broadcast_to(per, (per.shape[0], L)).copy()
+        t = per.sum(axis=1)
         if self.price_costs is not None:
             return t
-        combine = n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-        return t + combine + launch.reps.shape[0] * self.dec_launch  # the fitted intercept of a call includes its merge
+        combine = (L // launch.reps.shape[0]) * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
+        return t + combine + L * self.dec_launch  # the fitted intercept of a call includes its merge
 
-    def _lens_layer_times(self, lens: np.ndarray, launch, fixed: np.ndarray | None, at: np.ndarray,
-                          cut: np.ndarray) -> np.ndarray:
-        """Per layer of a launch laid out as ``launch`` (CTAs in the order layer, request, slot, split) on heads
-        holding ``lens`` [kd, L, H] tokens: :meth:`_layer_times`'s seconds with fitted decode costs, the fallback's
-        wave time alone without. A layer's bytes are its heads' tokens (the CTAs of a head split them), and only
-        the last wave's CTAs are sized one by one (``at``: their heads' flat index into ``lens``, ``cut``: the CTAs
-        that head is split into; :meth:`_launch`), so a pricing costs the size of the last wave, not of the
-        launch (:func:`tangram.planner.tail_wave_time`)."""
-        total = lens.sum(axis=0).sum(axis=1) * float(self.tok_head_bytes)  # [L] bytes (exact integers)
-        tail = lens.reshape(-1)[at] / cut
+    def _lens_layer_times(self, lens0: np.ndarray, offs: np.ndarray, launch, fixed: np.ndarray | None,
+                          at: np.ndarray, cut: np.ndarray) -> np.ndarray:
+        """Per point and layer [m, L] of a launch laid out as ``launch`` (CTAs in the order layer, request, slot,
+        split) on heads holding ``lens0 + offs[i]`` tokens ([kd, L, H]): :meth:`_layer_times`'s seconds with
+        fitted decode costs, the fallback's wave time alone without. A layer's bytes are its heads' tokens (the
+        CTAs of a head split them), and only the last wave's CTAs are sized one by one (``at``: their heads' flat
+        index into ``lens0``, ``cut``: the CTAs that head is split into; :meth:`_launch`), so a pricing costs the
+        size of the last wave, not of the launch (:func:`tangram.planner.tail_wave_time`)."""
+        kd, _, H = lens0.shape
+        layer = lens0.sum(axis=0).sum(axis=1)  # [L] tokens (exact integers), grown by kd * H per offset
+        total = (layer + offs[:, None] * (kd * H)) * float(self.tok_head_bytes)
+        tail = lens0.reshape(-1)[at] + offs[:, None]  # (a view's reshape copies: alike layouts pass layer 0)
+        tail = tail / cut
         tail *= self.tok_head_bytes
         c = self.price_costs
         if c is not None:
@@ -566,24 +621,6 @@ class CostModel:
         rows = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim)
         rows.flags.writeable = False
         return float(rows.sum()), rows
-
-    def _static_alike(self, lens0: np.ndarray, s: int, L: int) -> float:
-        """:meth:`_decode_attention` of a static split when every head of every layer holds the same tokens
-        (``lens0`` [kd, H], layer 0's; the full and uniform modes): each layer's launch and sizes are the same, so
-        each layer's wave time is the same float; one layer is priced and its time summed over the L layers as the
-        per-layer times are (bit-identical, L times less work)."""
-        kd, H = lens0.shape
-        key = ("static", 1, kd * H, s)
-        lens1 = lens0[:, None, :]  # one layer, [kd, 1, H]
-        launch, n_partials, fixed, rows, at, cut = self._launch(key, None if key in self._launches else np.full(
-            (1, kd * H), s, dtype=np.int64), lens1.shape)
-        self._dec_fixed = L * fixed
-        per = self._lens_layer_times(lens1, launch, rows, at, cut)
-        if self.price_costs is not None:
-            return float(np.full(L, per[0]).sum())
-        t = float(np.full(L, per[0]).sum())
-        combine = L * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-        return t + combine + L * self.dec_launch
 
     def _launch(self, key, reps: np.ndarray | None, shape: tuple) -> tuple:
         """The launch structure of ``reps`` (:func:`tangram.planner.wave_launch`), its CTA count, the fixed

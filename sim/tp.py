@@ -217,6 +217,15 @@ class TPCostModel(CostModel):
             self._rank_splits[(rank, b, c)] = S
         return S
 
+    def _decode_prices(self, lens0: np.ndarray, offs: np.ndarray, contexts: np.ndarray | None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """The base class's batched pricing, one point at a time through this class's per-rank pricing."""
+        out, fixed = np.empty(offs.size), np.empty(offs.size)
+        for i, o in enumerate(offs.tolist()):
+            out[i] = self._decode_attention(lens0 + o, None if contexts is None else int(contexts[i]))[0]
+            fixed[i] = self._dec_fixed
+        return out, fixed
+
     def _decode_attention(self, lens: np.ndarray, context: int | None = None) -> tuple[float, float]:
         """Per rank and layer: the wave model on the rank's heads; each layer waits for its slowest rank."""
         kd, L, H = lens.shape

@@ -374,25 +374,28 @@ def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_
 
 def tail_wave_time(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
                    cta_s: float = 0.0, rate_model: str = "capped") -> np.ndarray:
-    """:func:`launch_wave_time` from the two things it reads of the sizes: each row's bytes (``total`` [L], all
-    its CTAs) and the bytes of each CTA of its last wave (``tail`` [m], in ``launch.src`` order). A caller that
-    knows a row's bytes without its CTAs' (the simulator: the CTAs of a head split its tokens, so a layer's bytes
-    are its heads' tokens) prices a launch in the size of its last wave instead of all its CTAs."""
-    L = total.shape[0]
+    """:func:`launch_wave_time` from the two things it reads of the sizes: each row's bytes (``total`` [..., L],
+    all its CTAs) and the bytes of each CTA of its last wave (``tail`` [..., m], in ``launch.src`` order). A caller
+    that knows a row's bytes without its CTAs' (the simulator: the CTAs of a head split its tokens, so a layer's
+    bytes are its heads' tokens) prices a launch in the size of its last wave instead of all its CTAs. Leading axes
+    price several size sets of one launch at once, each exactly as alone (every reduction runs along the last
+    axis, row by row)."""
+    total = np.asarray(total, dtype=np.float64)
+    lead, L = total.shape[:-1], total.shape[-1]
     if launch.empty:
-        return np.zeros(L)
+        return np.zeros(total.shape)
     N, w = launch.n_occ, launch.width
-    # each sorted row starts with its zero padding, so only the longest tail's columns need sorting
-    sub = np.zeros((L, w))
-    sub.reshape(-1)[launch.dst] = tail
-    body = (total - sub.sum(axis=1)) / bw
-    sub.sort(axis=1)
-    diffs = np.empty((L, N))  # np.diff(tail, prepend=0), without the concatenation; the tail is [0.., sub]
-    diffs[:, :N - w] = 0.0
-    diffs[:, N - w] = sub[:, 0]
-    np.subtract(sub[:, 1:], sub[:, :-1], out=diffs[:, N - w + 1:])
-    diffs *= _tail_rates(N, float(bw), float(cta_bw), rate_model)
-    return body + diffs.sum(axis=1) + launch.waves * cta_s
+    # a last wave of N slots holds its CTAs after zero padding, so only the longest tail's w columns are sized:
+    # sorted, the j-th smallest of them finishes while N - (N - w + j) CTAs still run
+    sub = np.zeros(lead + (L, w))
+    sub.reshape(lead + (L * w,))[..., launch.dst] = tail
+    body = (total - sub.sum(axis=-1)) / bw
+    sub.sort(axis=-1)
+    diffs = np.empty(lead + (L, w))  # np.diff(sub, prepend=0), without the concatenation
+    diffs[..., 0] = sub[..., 0]
+    np.subtract(sub[..., 1:], sub[..., :-1], out=diffs[..., 1:])
+    diffs *= _tail_rates(N, float(bw), float(cta_bw), rate_model)[N - w:]
+    return body + diffs.sum(axis=-1) + launch.waves * cta_s
 
 
 @lru_cache(maxsize=64)

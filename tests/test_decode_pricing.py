@@ -15,7 +15,7 @@ from tangram.config import EngineConfig, ModelConfig, get_gpu, get_model
 from tangram.paging import KVLayout
 from tangram.planner import DecodeCosts, decode_layer_times, runtime_plan
 from tangram.scheduler import Scheduler
-from tangram.sim.costmodel import CostModel
+from tangram.sim.costmodel import CostModel, CostParams
 from tangram.sim.tables import CostTables, resolve, tables_dir_for
 from tangram.sim.transfer import rescale, write_tables
 
@@ -66,7 +66,6 @@ def test_decode_price_by_hand_two_layers_three_heads(tmp_path):
     np.testing.assert_allclose(want, [l0, l1], rtol=1e-12)
     # decode_model="capped" (the A/B of benchmarks/decode_pricing.py) prices as a folder without the file does
     from tangram.errors import ConfigError
-    from tangram.sim.costmodel import CostParams
 
     ab = CostModel(TINY, gpu, eng, KVLayout.build(TINY, eng, None), None, tables=d,
                    params=CostParams(decode_model="capped"))
@@ -215,3 +214,26 @@ def test_the_engine_routes_with_the_costs_the_simulator_prices_its_spec_with():
         # a pinned folder (--tables DIR; here the H100's own): found by path, transferred as the simulator does
         spec.tables = str(d)
         assert routing_costs(spec) == resolve(str(d), gpu).decode_costs(LLAMA.name)
+
+
+@pytest.mark.parametrize("mode,part", [("tangram", None), ("br+rp", "static"), ("full", None), ("uniform", None)])
+@pytest.mark.parametrize("fitted", [True, False])
+def test_prices_of_a_runs_steps_at_once_equal_each_step_alone(mode, part, fitted):
+    """A run's decode steps are priced in one call (every head grown alike, contexts crossing a bucket and the
+    static split's block count changing on the way): each point equals pricing that step alone, bit for bit, with
+    the fitted decode costs and with the fallback, and leaves the same fixed part for the rescale cache."""
+    eng = EngineConfig(mode=mode, decode_partition=part)
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, eng.rho, seed=3)
+    lay = KVLayout.build(LLAMA, eng, prof.B)
+    cm = CostModel(LLAMA, H100, eng, lay, prof, params=None if fitted else CostParams(decode_model="capped"))
+    assert (cm.price_costs is not None) == (fitted and cm.tables.has_decode_costs)
+    rng = np.random.default_rng(5)
+    kd = 3
+    ratio = {"full": np.ones_like(prof.B), "uniform": np.full_like(prof.B, eng.rho)}.get(mode, prof.B)
+    lens0 = np.ceil(lay.to_slots(ratio)[None] * rng.integers(3800, 4000, size=(kd, 1, 1))).astype(np.int64)
+    offs = np.array([1, 2, 40, 90, 130, 200, 260, 300])  # the longest context crosses 4096 on the way
+    ctx = 4000 + offs
+    t, fixed = cm._decode_prices(lens0, offs, ctx)
+    for i, o in enumerate(offs.tolist()):
+        alone = cm._decode_attention(lens0 + o, int(ctx[i]))[0]
+        assert t[i] == alone and fixed[i] == cm._dec_fixed, (i, t[i], alone)
