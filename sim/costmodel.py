@@ -633,7 +633,7 @@ class CostModel:
         if hit is None:
             launch = wave_launch(reps, self.n_occ)
             kd, L, H = shape
-            src = launch.src  # flat index into [L, kd * H] (layer, request, slot)
+            src = launch.tsrc  # flat index into [L, kd * H] (layer, request, slot) of each CTA or entry of the tail
             layer, rest = np.divmod(src, kd * H)
             row, slot = np.divmod(rest, H)
             at = (row * L + layer) * H + slot  # into [kd, L, H]

@@ -319,6 +319,15 @@ class WaveLaunch:
     empty: bool  # no CTA at all
     ctas: np.ndarray  # float64 [L] CTAs per row (the partials a split launch writes and its merge reads)
     split: np.ndarray  # bool [L] some entry of the row is cut into more than one CTA (the merge kernel runs)
+    # How a pricing reads the last wave (tail_wave_time): CTA by CTA (tsrc, tdst = src, dst), or, when the tail's
+    # CTAs are at least 8 times its entries (heads split into many equal pieces), entry by entry: an entry's CTAs are
+    # equal, so the tail sorts its entries and each counts its CTAs (tcnt) from its first position on
+    grouped: bool = False
+    tsrc: np.ndarray | None = None  # intp flat index into size_bytes of each tail CTA (each tail entry: grouped)
+    tdst: np.ndarray | None = None  # intp flat index into the [L, twidth] block of the tail that is sorted
+    twidth: int = 0
+    tcnt: np.ndarray | None = None  # float64 [L, twidth] CTAs of each tail entry (grouped)
+    first: np.ndarray | None = None  # intp [L] position of a row's first tail CTA among the n_occ (N - tail CTAs)
 
 
 def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
@@ -333,7 +342,7 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     if not per_layer.any():
         z = np.zeros(0, dtype=np.intp)
         return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z,
-                                  z.copy(), N, 0, True, ctas, split))
+                                  z.copy(), N, 0, True, ctas, split, False, z, z.copy(), 0))
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
     # entry i's CTAs sit at launch positions counted from the layer's end in [after_i, after_i + reps_i)
@@ -351,13 +360,27 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     start = np.concatenate(([0], np.cumsum(tail_n)[:-1]))
     col = np.arange(src.size) - start[row]
     w = int(tail_n.max())
-    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, row * w + col, N, w, False,
-                              ctas, split))
+    dst = row * w + col
+    first = (N - tail_n).astype(np.intp)
+    erow = nz // reps.shape[1]  # the tail's entries, row by row in launch order
+    per_row = np.bincount(erow, minlength=L)
+    we = int(per_row.max())
+    if 8 * we <= w:  # measured: the argsort and gathers pay only for ~8 or more CTAs an entry
+        ecol = np.arange(nz.size) - np.concatenate(([0], np.cumsum(per_row)[:-1]))[erow]
+        tdst = erow * we + ecol
+        tcnt = np.zeros((L, we))
+        tcnt.reshape(-1)[tdst] = cnt
+        return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, dst, N, w, False, ctas,
+                                  split, True, nz, tdst, we, tcnt, first))
+    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, dst, N, w, False, ctas,
+                              split, False, src, dst, w, None, first))
 
 
 def _frozen(launch: WaveLaunch) -> WaveLaunch:
-    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst, launch.ctas, launch.split):
-        a.flags.writeable = False
+    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst, launch.ctas, launch.split, launch.tsrc,
+              launch.tdst, launch.tcnt, launch.first):
+        if a is not None:
+            a.flags.writeable = False
     return launch
 
 
@@ -369,32 +392,42 @@ def launch_wave_time(size_bytes: np.ndarray, launch: WaveLaunch, bw: float, cta_
     if launch.empty:
         return np.zeros(L)
     total = (size_bytes * launch.reps).sum(axis=1)
-    return tail_wave_time(total, size_bytes.reshape(-1)[launch.src], launch, bw, cta_bw, cta_s, rate_model)
+    return tail_wave_time(total, size_bytes.reshape(-1)[launch.tsrc], launch, bw, cta_bw, cta_s, rate_model)
 
 
 def tail_wave_time(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, bw: float, cta_bw: float,
                    cta_s: float = 0.0, rate_model: str = "capped") -> np.ndarray:
     """:func:`launch_wave_time` from the two things it reads of the sizes: each row's bytes (``total`` [..., L],
-    all its CTAs) and the bytes of each CTA of its last wave (``tail`` [..., m], in ``launch.src`` order). A caller
-    that knows a row's bytes without its CTAs' (the simulator: the CTAs of a head split its tokens, so a layer's
-    bytes are its heads' tokens) prices a launch in the size of its last wave instead of all its CTAs. Leading axes
-    price several size sets of one launch at once, each exactly as alone (every reduction runs along the last
-    axis, row by row)."""
+    all its CTAs) and the bytes of the last wave's CTAs (``tail`` [..., m], in ``launch.tsrc`` order: one per CTA,
+    or one per entry when ``launch.grouped``). A caller that knows a row's bytes without its CTAs' (the simulator:
+    the CTAs of a head split its tokens, so a layer's bytes are its heads' tokens) prices a launch in the size of
+    its last wave instead of all its CTAs. Leading axes price several size sets of one launch at once, each exactly
+    as alone (every reduction runs along the last axis, row by row)."""
     total = np.asarray(total, dtype=np.float64)
     lead, L = total.shape[:-1], total.shape[-1]
     if launch.empty:
         return np.zeros(total.shape)
-    N, w = launch.n_occ, launch.width
-    # a last wave of N slots holds its CTAs after zero padding, so only the longest tail's w columns are sized:
-    # sorted, the j-th smallest of them finishes while N - (N - w + j) CTAs still run
+    N, w = launch.n_occ, launch.twidth
+    rates = _tail_rates(N, float(bw), float(cta_bw), rate_model)
+    # a last wave of N slots holds its CTAs after zero padding, so only the longest tail's w columns are sized
     sub = np.zeros(lead + (L, w))
-    sub.reshape(lead + (L * w,))[..., launch.dst] = tail
-    body = (total - sub.sum(axis=-1)) / bw
-    sub.sort(axis=-1)
+    sub.reshape(lead + (L * w,))[..., launch.tdst] = tail
+    if launch.grouped:  # entries of equal CTAs: sorted, entry j's size step is paid at its first CTA's position
+        body = (total - (sub * launch.tcnt).sum(axis=-1)) / bw
+        order = sub.argsort(axis=-1, kind="stable")
+        sub = np.take_along_axis(sub, order, axis=-1)
+        cnt = np.take_along_axis(np.broadcast_to(launch.tcnt, sub.shape), order, axis=-1)
+        pos = np.cumsum(cnt, axis=-1)
+        pos -= cnt
+        rate = rates[np.minimum(pos.astype(np.intp) + launch.first[:, None], N - 1)]
+    else:  # sorted, the j-th smallest CTA finishes while N - (N - w + j) others still run
+        body = (total - sub.sum(axis=-1)) / bw
+        sub.sort(axis=-1)
+        rate = rates[N - w:]
     diffs = np.empty(lead + (L, w))  # np.diff(sub, prepend=0), without the concatenation
     diffs[..., 0] = sub[..., 0]
     np.subtract(sub[..., 1:], sub[..., :-1], out=diffs[..., 1:])
-    diffs *= _tail_rates(N, float(bw), float(cta_bw), rate_model)[N - w:]
+    diffs *= rate
     return body + diffs.sum(axis=-1) + launch.waves * cta_s
 
 
@@ -436,7 +469,7 @@ def launch_layer_times(size_bytes: np.ndarray, launch: WaveLaunch, costs: Decode
     the decode-cost fit (``tangram.sim.fit_decode``) and the simulator's price of every decode step call it."""
     L = size_bytes.shape[0]
     total = (size_bytes * launch.reps).sum(axis=1) if not launch.empty else np.zeros(L)
-    return tail_layer_times(total, size_bytes.reshape(-1)[launch.src], launch, costs, gq=gq, head_dim=head_dim,
+    return tail_layer_times(total, size_bytes.reshape(-1)[launch.tsrc], launch, costs, gq=gq, head_dim=head_dim,
                             fixed=fixed)
 
 

@@ -710,10 +710,10 @@ class Scheduler:
         effects: a failed admission has evicted every idle session but the head's own, and memory only shrinks
         during the run), or no step of the run tries the head at all: the prefilling turns' chunks leave less of
         the step's token budget than the head's first chunk, so the admission loop stops before it (the run ends
-        before the first step that would try it; on a saturated trace most prefill steps are such steps). Decode pages are counted per step, vectorised: a table with ``c`` free token slots takes
-        a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
-        interrupt such a run (an arrival, another replica's doing): the driver then commits the steps up to the one
-        in progress.
+        before the first step that would try it). Decode pages are counted per step, vectorised: a table with ``c``
+        free token slots takes a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could
+        not serve. Only time can interrupt such a run (an arrival, another replica's doing): the driver then commits
+        the steps up to the one in progress.
         """
         run = self.running
         if not run:

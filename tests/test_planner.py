@@ -129,12 +129,14 @@ def test_a_kept_launch_prices_new_sizes_as_wave_time():
     from tangram.planner import launch_wave_time, wave_launch, wave_time
 
     rng = np.random.default_rng(20261124)
-    for _ in range(40):
+    kinds = set()
+    for i in range(60):
         L, M, N = int(rng.integers(1, 6)), int(rng.integers(1, 40)), int(rng.integers(1, 60))
-        reps = rng.integers(0, 6, (L, M))
+        reps = rng.integers(0, 6, (L, M)) if i % 3 else rng.integers(16, 65, (L, M))  # heads cut in many pieces
         if rng.random() < 0.2:
             reps[:] = 0  # no CTA at all
         launch = wave_launch(reps, N)
+        kinds.add(launch.grouped)
         assert not launch.reps.flags.writeable and not launch.src.flags.writeable
         for _ in range(3):
             size = rng.uniform(1.0, 1e4, (L, M))
@@ -142,6 +144,7 @@ def test_a_kept_launch_prices_new_sizes_as_wave_time():
             np.testing.assert_array_equal(got, wave_time(size, reps, N, 2.0, 0.5, 0.01))
             np.testing.assert_allclose(got, _wave_time_per_cta(size, reps, N, 2.0, 0.5, 0.01), rtol=1e-10,
                                        atol=1e-12)
+    assert kinds == {True, False}, "both tail readings (CTA by CTA, entry by entry) must be checked"
 
 
 def test_regime_choice_keeps_the_baseline_split_without_a_clear_gain():
