@@ -10,6 +10,7 @@ numpy over the step's rows and heads (no Python loop over requests or heads).
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -394,32 +395,38 @@ class CostModel:
         b0, b1 = decode_context_bucket(int(ctx[0])), decode_context_bucket(int(ctx[-1]))
         bucket = np.full(k, b0) if b0 == b1 else np.array([decode_context_bucket(int(x)) for x in ctx])
         up = 1.0 + self.params.decode_refresh
+        tl = totals.tolist()
 
         def rescaled(i: int, base: int, b: int) -> int:
-            """End of the steps from ``i`` a pricing of ``base`` tokens in bucket ``b`` rescales to."""
-            m = int(np.searchsorted(totals, base * up, side="right"))
-            return i + int(np.argmin(np.append(bucket[i:m] == b, False))) if m > i else m
+            """End of the steps from ``i`` a pricing of ``base`` tokens in bucket ``b`` rescales to: those whose
+            tokens grew by at most ``decode_refresh`` and whose context bucket (split map) is still ``b``."""
+            m = bisect_right(tl, base * up)
+            if m <= i:
+                return m
+            if b0 == b1:
+                return m if b == b0 else i
+            return i + int(np.argmin(np.append(bucket[i:m] == b, False)))
 
-        segs = []  # (first step, end): step ``first`` priced in full, the steps after it up to ``end`` rescaled
         if c is not None and c[0].size == ids.size and np.array_equal(c[0], ids):
             m = rescaled(0, c[1], c[4])
             if m > 0:
                 fixed = c[3]
                 out[:m] = fixed + (c[2] - fixed) * totals[:m] / max(c[1], 1)
                 i = m
+        first = []  # steps priced in full; the steps after each up to the next are rescaled from it
         while i < k:  # where the rule prices in full depends on the token counts alone, not on the prices
-            m = rescaled(i + 1, int(totals[i]), int(bucket[i]))
-            segs.append((i, max(m, i + 1)))
-            i = max(m, i + 1)
-        if segs:
-            first = np.array([a for a, _ in segs])
-            t, fixed = self._decode_prices(run.head_lens0, first + 1, ctx[first])
-            for (a, e), ta, fa in zip(segs, t.tolist(), fixed.tolist()):
-                out[a] = ta
-                c = (ids.copy(), int(totals[a]), ta, fa, int(bucket[a]))
-                caches.append((a + 1, c))
-                if e > a + 1:
-                    out[a + 1:e] = fa + (ta - fa) * totals[a + 1:e] / max(c[1], 1)
+            first.append(i)
+            i = max(rescaled(i + 1, tl[i], int(bucket[i])), i + 1)
+        if first:
+            fa = np.array(first)
+            t, fixed = self._decode_prices(run.head_lens0, fa + 1, ctx[fa])
+            base = np.maximum(totals[fa], 1)
+            seg = np.repeat(np.arange(fa.size), np.diff(np.append(fa, k)))  # the pricing each step comes from
+            out[fa[0]:] = fixed[seg] + (t - fixed)[seg] * totals[fa[0]:] / base[seg]
+            out[fa] = t  # the priced steps themselves (the rescale of a step from itself is not bit-exact)
+            ids_c = ids.copy()
+            caches = [(a + 1, (ids_c, int(totals[a]), ta, fb, int(bucket[a])))
+                      for a, ta, fb in zip(first, t.tolist(), fixed.tolist())]
         return out, None, caches
 
     # ------------------------------------------------------------------ dense layers
