@@ -145,10 +145,11 @@ def _fit_cta_rate(cm: "CostModel") -> tuple[float, int] | None:
 
 
 def _groups(keys: list) -> dict:
-    """Positions of each distinct key, in first-seen order: a list of them, or ``slice(None)`` when every key is
-    the same (the usual case, and one pricing of one point: no fancy indexing)."""
-    if all(k == keys[0] for k in keys):
-        return {keys[0]: slice(None)}
+    """Positions of each distinct key, in first-seen order: a list of them, or ``0`` when every key is the same
+    (the usual case, and one pricing of one point: no fancy indexing)."""
+    k0 = keys[0]
+    if len(keys) == 1 or all(k == k0 for k in keys):
+        return {k0: 0}
     out: dict = {}
     for i, k in enumerate(keys):
         out.setdefault(k, []).append(i)
@@ -547,45 +548,55 @@ class CostModel:
         partitions): seconds [m] and the fixed part of each pricing (the rescale cache's). Points of one launch
         shape are priced together, each exactly as alone."""
         kd, L, H = lens0.shape
-        m = offs.size
-        out, fixed = np.empty(m), np.empty(m)
         if self.partition == "aot":
-            groups = _groups([None] * m if contexts is None else
-                             [decode_context_bucket(c) for c in contexts.tolist()])
-            for b, idx in groups.items():
-                ctx = None if b is None else int(contexts[idx[0] if isinstance(idx, list) else 0])  # its map
-                launch, n_partials, f, rows, at, cut = self._launch(("aot", kd, b), self._aot_reps(kd, ctx),
-                                                                   lens0.shape)
-                out[idx] = self._lens_totals(lens0, offs[idx], launch, n_partials, rows, at, cut, L)
-                fixed[idx] = f
-            return out, fixed
+            keys = [None] if contexts is None else [decode_context_bucket(c) for c in contexts.tolist()]
+            parts = []
+            for b, idx in _groups(keys).items():
+                ctx = None if b is None else int(contexts[idx if isinstance(idx, int) else idx[0]])  # its map
+                parts.append((idx, ("aot", kd, b), lambda ctx=ctx: self._aot_reps(kd, ctx)))
+            return self._price_parts(lens0, lens0, offs, parts, L, 1)
         d = self.model.head_dim
         block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
         top = int(lens0.max()) if lens0.size else 0
-        groups = _groups([self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()])
+        keys = [self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()]
         alike = L > 1 and bool((lens0 == lens0[:, :1, :1]).all())
-        base = lens0[:, :1] if alike else lens0  # alike: one layer priced, summed L times
-        for sp, idx in groups.items():
-            key = ("static", base.shape[1], kd * H, sp)
-            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else np.full(
-                (base.shape[1], kd * H), sp, dtype=np.int64), base.shape)
+        base = lens0[:, :1] if alike else lens0  # alike: one layer priced for the L equal ones
+        l = base.shape[1]
+        parts = [(idx, ("static", l, kd * H, sp), lambda sp=sp: np.full((l, kd * H), sp, dtype=np.int64))
+                 for sp, idx in _groups(keys).items()]
+        return self._price_parts(lens0, base, offs, parts, L, L // l)
+
+    def _price_parts(self, lens0: np.ndarray, base: np.ndarray, offs: np.ndarray, parts: list, L: int,
+                     alike: int) -> tuple[np.ndarray, np.ndarray]:
+        """Seconds and fixed parts of :meth:`_decode_prices`'s points, launch shape by launch shape (``parts``:
+        (points, launch key, its CTA counts when the launch is not kept)); ``base`` holds ``alike`` layers' heads
+        in one layer (1: every layer its own)."""
+        if len(parts) == 1:  # one launch shape for every point (the usual case)
+            _, key, reps = parts[0]
+            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else reps(),
+                                                               base.shape)
+            t = self._lens_totals(base, offs, launch, n_partials, rows, at, cut, L)
+            return t, np.full(offs.size, alike * f)
+        out, fixed = np.empty(offs.size), np.empty(offs.size)
+        for idx, key, reps in parts:
+            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else reps(),
+                                                               base.shape)
             out[idx] = self._lens_totals(base, offs[idx], launch, n_partials, rows, at, cut, L)
-            fixed[idx] = L * f if alike else f
+            fixed[idx] = alike * f
         return out, fixed
 
     def _lens_totals(self, lens0: np.ndarray, offs: np.ndarray, launch, n_partials: int,
                      fixed: np.ndarray | None, at: np.ndarray, cut: np.ndarray, L: int) -> np.ndarray:
         """Seconds [m] of a decode launch laid out as ``launch`` on heads holding ``lens0 + offs[i]`` tokens,
-        summed over ``L`` layers (``lens0`` [kd, l, H]: l = L, or one layer standing for L alike ones, whose
-        seconds are each layer's): :meth:`_lens_layer_times`, plus the fallback's merge partials and call
-        intercepts without fitted decode costs."""
+        summed over ``L`` layers (``lens0`` [kd, l, H]: l = L, or one layer standing for L equal ones):
+        :meth:`_lens_layer_times`, plus the fallback's merge partials and call intercepts without fitted decode
+        costs."""
         per = self._lens_layer_times(lens0, offs, launch, fixed, at, cut)  # [m, l]
-        if per.shape[1] != L:  # one layer for L alike ones: its seconds summed as L equal layers' are
-            per = np.broadcast_to(per, (per.shape[0], L)).copy()
-        t = per.sum(axis=1)
+        l = per.shape[1]
+        t = per.sum(axis=1) if l == L else per[:, 0] * L  # one layer for L equal ones
         if self.price_costs is not None:
             return t
-        combine = (L // launch.reps.shape[0]) * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
+        combine = (L // l) * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
         return t + combine + L * self.dec_launch  # the fitted intercept of a call includes its merge
 
     def _lens_layer_times(self, lens0: np.ndarray, offs: np.ndarray, launch, fixed: np.ndarray | None,

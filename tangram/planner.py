@@ -428,7 +428,10 @@ def tail_wave_time(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, bw: 
     diffs[..., 0] = sub[..., 0]
     np.subtract(sub[..., 1:], sub[..., :-1], out=diffs[..., 1:])
     diffs *= rate
-    return body + diffs.sum(axis=-1) + launch.waves * cta_s
+    out = body + diffs.sum(axis=-1)
+    if cta_s:
+        out += launch.waves * cta_s
+    return out
 
 
 @lru_cache(maxsize=64)

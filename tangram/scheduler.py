@@ -705,15 +705,13 @@ class Scheduler:
         last step, the pages decode takes fit the free pool without evicting, chunks take no page (their pages
         were reserved at admission: prefilling turns are only run ahead under exact reservation, and not in the
         dynamic mode, whose keep the executor decides), and no turn is admitted. The last holds when nothing waits,
-        the batch is at ``max_num_seqs``, this scheduler's last step already failed to admit the queue's head
-        and nothing has freed pages or parked a session since (the next attempts fail the same way, without side
-        effects: a failed admission has evicted every idle session but the head's own, and memory only shrinks
-        during the run), or no step of the run tries the head at all: the prefilling turns' chunks leave less of
-        the step's token budget than the head's first chunk, so the admission loop stops before it (the run ends
-        before the first step that would try it). Decode pages are counted per step, vectorised: a table with ``c``
-        free token slots takes a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could
-        not serve. Only time can interrupt such a run (an arrival, another replica's doing): the driver then commits
-        the steps up to the one in progress.
+        the batch is at ``max_num_seqs``, or this scheduler's last step already failed to admit the queue's head
+        and nothing has freed pages or parked a session since: the next attempts fail the same way, without side
+        effects (a failed admission has evicted every idle session but the head's own, and memory only shrinks
+        during the run). Decode pages are counted per step, vectorised: a table with ``c`` free token slots takes
+        a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
+        interrupt such a run (an arrival, another replica's doing): the driver then commits the steps up to the one
+        in progress.
         """
         run = self.running
         if not run:
@@ -731,26 +729,22 @@ class Scheduler:
         # boundary a turn may cache ends the run (``commit_run`` registers it as ``update`` would). A blocked
         # head's failed admission is a fixed point with the prefix cache too: it evicted every idle unit and
         # copy source but those of the head's own hit, which it holds again at every attempt.
-        # The queue's head either failed its admission and nothing changed since (``blocked``: every attempt of the
-        # run fails the same way), or it was not blocked (``waiting``): the run then stops before the first step
-        # whose token budget would let the admission loop try it (a step whose chunks fill the budget tries none)
-        blocked = waiting = None
+        blocked = None
         if self.waiting and len(run) < self.engine.max_num_seqs:
             b = self._blocked
-            if b is not None and b[0] is self.waiting[0] and self.pool.n_free <= b[1] \
-                    and not any(s != b[0].sid for s in self.idle):
-                blocked = b[0]
-            elif pre:
-                waiting = self.waiting[0]
-            else:
+            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
                 return None
+            sid = b[0].sid
+            if any(s != sid for s in self.idle):
+                return None
+            blocked = b[0]
         k_max = min((r.output_tokens - r.generated for r in dec), default=1 << 30)  # first decode finish
         if max_steps is not None:
             k_max = min(k_max, int(max_steps))
         chunks: list[tuple] = []  # (step, request, tokens, last)
         attempted_last = True
         if pre:  # the budget's chunks, step by step, until one completes its prompt (it decodes from the next)
-            C, head = self.engine.chunk_size, blocked or waiting
+            C, head = self.engine.chunk_size, blocked
             head_first = min(C, self._prompt_of(head)) if head is not None else 0
             rem = [r.prompt - r.prefilled for r in pre]
             pos = [int(self.ctx[r.row]) for r in pre]
@@ -770,12 +764,6 @@ class Scheduler:
                         chunks.append((j, r, c, rem[i] == 0))
                         done = done or rem[i] == 0 or 0 <= reg_at[i] <= pos[i]
                 attempted_last = head_first <= budget or not got
-                if waiting is not None and attempted_last:  # step j would try to admit the head: not in the run
-                    k_max = j - 1
-                    while chunks and chunks[-1][0] == j:
-                        chunks.pop()
-                    attempted_last = False
-                    break
                 if done:
                     k_max = j
                     break
@@ -805,18 +793,16 @@ class Scheduler:
         out = StepRun(self._step + 1, np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec)), rows,
                       self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
                       self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
-        self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None,
-                     waiting is not None)
+        self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None)
         return out
 
     def run_admits_nothing(self) -> bool:
         """Whether the pending run (:meth:`plan_run`) admits no turn at any of its steps whatever joins the queue
         behind its head while it runs, so a turn added then (``add_request``) leaves every step as planned: the
-        queue's head was blocked (its admission fails the same way at each step, and admission is FCFS), no step
-        of the run tries the head (admission is FCFS: nothing behind it is tried either), or the batch is at
-        ``max_num_seqs`` (no turn finishes before the run's last step, whose admissions come first)."""
+        queue's head was blocked (its admission fails the same way at each step, and admission is FCFS), or the
+        batch is at ``max_num_seqs`` (no turn finishes before the run's last step, whose admissions come first)."""
         r = self._run
-        return r is not None and (r[2] is not None or r[6] or len(self.running) >= self.engine.max_num_seqs)
+        return r is not None and (r[2] is not None or len(self.running) >= self.engine.max_num_seqs)
 
     def _attempted_at(self, j: int, chunks: list, head, kd: int) -> bool:
         """Whether step ``j``'s admission loop would try the queue's head (its token budget left allows it)."""
@@ -860,7 +846,7 @@ class Scheduler:
         run are taken in one allocation)."""
         if self._run is None or self._run[0] is not run:
             raise ValueError("commit_run: not the scheduler's pending run (call plan_run, then commit it once)")
-        _, dec, blocked, free0, attempted_last, tl0, _ = self._run
+        _, dec, blocked, free0, attempted_last, tl0 = self._run
         self._run = None
         if not 1 <= j <= run.k:
             raise ValueError(f"commit_run: {j} steps of a {run.k}-step run")

@@ -216,7 +216,7 @@ def test_commit_run_equals_single_steps(seed):
 
 
 def test_plan_run_refuses_when_the_next_step_would_admit():
-    """Nothing may be fast-forwarded while the next step would try to admit the queue's head."""
+    """Nothing may be fast-forwarded while the queue's head could be admitted (or was never tried)."""
     s = _busy_scheduler(0)
     while s.plan_run() is None and s.has_work():
         _step(s)
@@ -227,42 +227,6 @@ def test_plan_run_refuses_when_the_next_step_would_admit():
     run = s.plan_run()
     if run is not None:  # a blocked head: the new turn queues behind it and changes nothing
         assert s.waiting[0].rid != 99
-
-
-def test_run_through_steps_that_never_try_the_queue_head():
-    """Prefill chunks that fill every step's token budget keep the admission loop from trying the queue's head, so
-    those steps are a run although the head was never tried: each equals the step schedule() plans, the run ends
-    before the first step whose budget would let the head be tried, and a turn queued behind the head meanwhile
-    changes none of its steps."""
-    L, H = 4, 4
-    model = dataclasses.replace(LLAMA, name="tiny", num_layers=L, num_kv_heads=H, num_q_heads=2 * H, head_dim=8,
-                                max_context=100_000)
-    eng = EngineConfig(mode="tangram", heads_per_group=2, page_size=4, chunk_size=64, max_batched_tokens=128)
-    s = Scheduler(model, eng, synthetic_profile(L, H, 0.3, seed=0), num_pages=4000)
-    for i in range(5):  # 64 * 7 + 10 tokens: seven full chunks and a short last one each
-        s.add_request(i, f"s{i}", 64 * 7 + 10, 20)
-    _step(s)  # admits two turns, whose first chunks take the whole budget: the head is not tried
-    assert len(s.running) == 2 and s._blocked is None and s.waiting
-    run = s.plan_run()
-    assert run is not None and run.k == 6, "the six steps before a prompt completes try no admission"
-    assert s.run_admits_nothing()
-    ref = copy.deepcopy(s)
-    s.add_request(99, "late", 30, 5)  # queued behind the head while the run is in flight
-    for i in range(1, run.k + 1):
-        plan, _ = _step(ref)
-        mine = run.plan(i)
-        for f in ("decode_ids", "prefill_ids", "prefill_start", "prefill_tokens", "prefill_last", "prefill_keep"):
-            assert np.array_equal(getattr(plan, f), getattr(mine, f)), (f, i)
-        assert plan.counters == mine.counters
-    s.commit_run(run, run.k)
-    ref.add_request(99, "late", 30, 5)
-    assert dataclasses.asdict(s.stats) == dataclasses.asdict(ref.stats)
-    assert np.array_equal(s.head_lens, ref.head_lens) and np.array_equal(s.bt.npages, ref.bt.npages)
-    assert s.plan_run() is None  # the prompts completed: the next step (decode + the head's admission) is planned
-    pa, _ = _step(s)
-    pb, _ = _step(ref)
-    assert pa.counters["admitted"] == pb.counters["admitted"] > 0
-    assert np.array_equal(pa.prefill_ids, pb.prefill_ids) and np.array_equal(pa.decode_ids, pb.decode_ids)
 
 
 def test_commit_run_rejects_a_stale_run():
