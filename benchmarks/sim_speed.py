@@ -40,6 +40,29 @@ def make_trace(path: Path, n_requests: int = 12_000, seed: int = 0) -> Path:
     return path
 
 
+def make_burstgpt_trace(path: Path, n_requests: int = 3000, seed: int = 0) -> Path:
+    """A low-load trace in BurstGPT's published CSV schema (Timestamp, Model, Request tokens, Response tokens, Total
+    tokens, Log Type; ~0.6 req/s, prompts U(1, 4000), responses U(1, 800) with 10% failed (0 tokens), seeded),
+    imported with ``import_burstgpt``: one-turn sessions whose batches stay small, so most of a replay is decode
+    runs of a few rows (the opposite regime of the saturated Mooncake trace); cached at ``path``."""
+    if path.exists():
+        return path
+    from tangram.traces import import_burstgpt, save_trace
+
+    rng = np.random.default_rng(seed)
+    ts = 5 + np.cumsum(rng.integers(0, 4, n_requests))
+    req = rng.integers(1, 4001, n_requests)
+    resp = np.where(rng.random(n_requests) < 0.1, 0, rng.integers(1, 801, n_requests))
+    model = rng.choice(["ChatGPT", "GPT-4"], n_requests)
+    kind = rng.choice(["Conversation log", "API log"], n_requests)
+    csv = path.with_suffix(".csv")
+    rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rows += [f"{t},{m},{q},{r},{q + r},{k}" for t, m, q, r, k in zip(ts, model, req, resp, kind)]
+    csv.write_text("\n".join(rows) + "\n")
+    save_trace(import_burstgpt(csv), path)
+    return path
+
+
 def run_cli(python: str, args: list[str], *, cwd: str | None = None, timeout: float | None = None) -> dict:
     """Time one ``tangram-sim`` process: wall, CPU (user + sys of the child), load average before and after."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -124,12 +147,31 @@ def identity(trace_path: Path, sessions: int, modes) -> dict:
     return out
 
 
+def alternate(me: str, base: str, trace: Path, mode: str, work: Path, rounds: int) -> dict:
+    """``rounds`` x (this checkout's run, then the baseline's) of one mode, one process at a time: CPU-s of each,
+    their min and median, the ratios (baseline / this), and whether the last runs' ``requests.csv`` are equal."""
+    cpu: dict[str, list[float]] = {"this": [], "baseline": []}
+    for _ in range(rounds):
+        for who, py in (("this", me), ("baseline", base)):
+            out = work / f"alt_{who}_{mode}"
+            cpu[who].append(run_cli(py, [str(trace), "--mode", mode, "--no-plots", "--out", str(out)])["cpu_s"])
+    med = {k: float(np.median(v)) for k, v in cpu.items()}
+    return {"cpu_s": cpu, "min_cpu_s": {k: min(v) for k, v in cpu.items()}, "median_cpu_s": med,
+            "speedup_min": round(min(cpu["baseline"]) / min(cpu["this"]), 3),
+            "speedup_median": round(med["baseline"] / med["this"], 3),
+            "requests_csv_identical": (work / f"alt_this_{mode}" / "requests.csv").read_bytes() ==
+            (work / f"alt_baseline_{mode}" / "requests.csv").read_bytes()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--what", default="single,capacity,identity",
                     help="comma list of: single (one run of --single-modes), capacity (--capacity, all six modes), "
                          "identity (fast-forward vs step-by-step on --identity-sessions sessions)")
-    ap.add_argument("--trace", help="trace to use (default: generate and import the Mooncake-format trace)")
+    ap.add_argument("--trace", help="trace to use (default: generate and import the Mooncake-format trace, or with "
+                                    "--burstgpt the BurstGPT-format one)")
+    ap.add_argument("--burstgpt", action="store_true",
+                    help="generate the low-load BurstGPT-format trace (make_burstgpt_trace) instead of the Mooncake one")
     ap.add_argument("--work", help="folder for the trace and outputs (default: a temporary folder)")
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--single-modes", default="tangram,full")
@@ -143,11 +185,16 @@ def main(argv=None) -> None:
     ap.add_argument("--baseline-sessions", type=int, default=0,
                     help="time the baseline on this many first sessions only (0: all), when it is too slow")
     ap.add_argument("--baseline-timeout", type=float, default=3600)
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="with --baseline-python: N rounds of this checkout then the baseline, one process at a time "
+                         "(min and median CPU-s of each; on a shared machine whose speed drifts by 20%% between "
+                         "minutes, alternating is what makes the ratio mean something)")
     a = ap.parse_args(argv)
     what = {w.strip() for w in a.what.split(",") if w.strip()}
     work = Path(a.work or tempfile.mkdtemp(prefix="sim_speed_"))
     work.mkdir(parents=True, exist_ok=True)
-    trace = Path(a.trace) if a.trace else make_trace(work / f"mooncake_{a.requests}.jsonl", a.requests)
+    trace = Path(a.trace) if a.trace else make_burstgpt_trace(work / "burstgpt_3000.jsonl") if a.burstgpt else \
+        make_trace(work / f"mooncake_{a.requests}.jsonl", a.requests)
     from tangram.traces import load_trace
 
     tr = load_trace(trace)
@@ -157,6 +204,11 @@ def main(argv=None) -> None:
                  "offered_rps": round(offered_rps(tr), 4), "model": "llama-3.1-8b", "gpu": "h100-80gb",
                  "cpus": os.cpu_count(), "python": sys.executable}
     me = sys.executable
+    if "single" in what and a.alternate and a.baseline_python:
+        res["alternate"] = {m: alternate(me, a.baseline_python, trace, m, work, a.alternate)
+                            for m in a.single_modes.split(",")}
+        print(json.dumps({"alternate": res["alternate"]}), flush=True)
+        what.discard("single")
     if "single" in what:
         res["single"] = {m: single(me, trace, m, work, repeat=a.repeat) for m in a.single_modes.split(",")}
         print(json.dumps({"single": res["single"]}), flush=True)
