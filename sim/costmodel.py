@@ -548,75 +548,60 @@ class CostModel:
         partitions): seconds [m] and the fixed part of each pricing (the rescale cache's). Points of one launch
         shape are priced together, each exactly as alone."""
         kd, L, H = lens0.shape
+        base, alike = lens0, 1
         if self.partition == "aot":
             keys = [None] if contexts is None else [decode_context_bucket(c) for c in contexts.tolist()]
-            parts = []
-            for b, idx in _groups(keys).items():
-                ctx = None if b is None else int(contexts[idx if isinstance(idx, int) else idx[0]])  # its map
-                parts.append((idx, ("aot", kd, b), lambda ctx=ctx: self._aot_reps(kd, ctx)))
-            return self._price_parts(lens0, lens0, offs, parts, L, 1)
-        d = self.model.head_dim
-        block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
-        top = int(lens0.max()) if lens0.size else 0
-        keys = [self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()]
-        alike = L > 1 and bool((lens0 == lens0[:, :1, :1]).all())
-        base = lens0[:, :1] if alike else lens0  # alike: one layer priced for the L equal ones
-        l = base.shape[1]
-        parts = [(idx, ("static", l, kd * H, sp), lambda sp=sp: np.full((l, kd * H), sp, dtype=np.int64))
-                 for sp, idx in _groups(keys).items()]
-        return self._price_parts(lens0, base, offs, parts, L, L // l)
-
-    def _price_parts(self, lens0: np.ndarray, base: np.ndarray, offs: np.ndarray, parts: list, L: int,
-                     alike: int) -> tuple[np.ndarray, np.ndarray]:
-        """Seconds and fixed parts of :meth:`_decode_prices`'s points, launch shape by launch shape (``parts``:
-        (points, launch key, its CTA counts when the launch is not kept)); ``base`` holds ``alike`` layers' heads
-        in one layer (1: every layer its own)."""
-        if len(parts) == 1:  # one launch shape for every point (the usual case)
-            _, key, reps = parts[0]
-            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else reps(),
-                                                               base.shape)
-            t = self._lens_totals(base, offs, launch, n_partials, rows, at, cut, L)
-            return t, np.full(offs.size, alike * f)
+            groups = _groups(keys)
+            launches = [(idx, ("aot", kd, b), None if ("aot", kd, b) in self._launches else
+                         self._aot_reps(kd, None if b is None else int(contexts[idx if isinstance(idx, int) else
+                                                                                  idx[0]])))
+                        for b, idx in groups.items()]
+        else:
+            d = self.model.head_dim
+            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
+            top = int(lens0.max()) if lens0.size else 0
+            keys = [self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()]
+            if L > 1 and (lens0 == lens0[:, :1, :1]).all():  # every layer alike: one priced for the L equal ones
+                base, alike = lens0[:, :1], L
+            l = base.shape[1]
+            launches = [(idx, ("static", l, kd * H, sp), None if ("static", l, kd * H, sp) in self._launches else
+                         np.full((l, kd * H), sp, dtype=np.int64)) for sp, idx in _groups(keys).items()]
+        if len(launches) == 1:  # one launch shape for every point (the usual case)
+            _, key, reps = launches[0]
+            launch, n_partials, f, rows, at, cut = self._launch(key, reps, base.shape)
+            return self._lens_totals(base, offs, launch, n_partials, rows, at, cut, L), np.full(offs.size, alike * f)
         out, fixed = np.empty(offs.size), np.empty(offs.size)
-        for idx, key, reps in parts:
-            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else reps(),
-                                                               base.shape)
+        for idx, key, reps in launches:
+            launch, n_partials, f, rows, at, cut = self._launch(key, reps, base.shape)
             out[idx] = self._lens_totals(base, offs[idx], launch, n_partials, rows, at, cut, L)
             fixed[idx] = alike * f
         return out, fixed
 
     def _lens_totals(self, lens0: np.ndarray, offs: np.ndarray, launch, n_partials: int,
                      fixed: np.ndarray | None, at: np.ndarray, cut: np.ndarray, L: int) -> np.ndarray:
-        """Seconds [m] of a decode launch laid out as ``launch`` on heads holding ``lens0 + offs[i]`` tokens,
-        summed over ``L`` layers (``lens0`` [kd, l, H]: l = L, or one layer standing for L equal ones):
-        :meth:`_lens_layer_times`, plus the fallback's merge partials and call intercepts without fitted decode
-        costs."""
-        per = self._lens_layer_times(lens0, offs, launch, fixed, at, cut)  # [m, l]
-        l = per.shape[1]
-        t = per.sum(axis=1) if l == L else per[:, 0] * L  # one layer for L equal ones
-        if self.price_costs is not None:
-            return t
-        combine = (L // l) * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
-        return t + combine + L * self.dec_launch  # the fitted intercept of a call includes its merge
-
-    def _lens_layer_times(self, lens0: np.ndarray, offs: np.ndarray, launch, fixed: np.ndarray | None,
-                          at: np.ndarray, cut: np.ndarray) -> np.ndarray:
-        """Per point and layer [m, L] of a launch laid out as ``launch`` (CTAs in the order layer, request, slot,
-        split) on heads holding ``lens0 + offs[i]`` tokens ([kd, L, H]): :meth:`_layer_times`'s seconds with
-        fitted decode costs, the fallback's wave time alone without. A layer's bytes are its heads' tokens (the
-        CTAs of a head split them), and only the last wave's CTAs are sized one by one (``at``: their heads' flat
-        index into ``lens0``, ``cut``: the CTAs that head is split into; :meth:`_launch`), so a pricing costs the
-        size of the last wave, not of the launch (:func:`tangram.planner.tail_wave_time`)."""
-        kd, _, H = lens0.shape
-        layer = lens0.sum(axis=0).sum(axis=1)  # [L] tokens (exact integers), grown by kd * H per offset
+        """Seconds [m] of a decode launch laid out as ``launch`` (CTAs in the order layer, request, slot, split) on
+        heads holding ``lens0 + offs[i]`` tokens, summed over ``L`` layers (``lens0`` [kd, l, H]: l = L, or one
+        layer standing for L equal ones). Per layer: the fitted decode costs' seconds (:meth:`_layer_times`), else
+        the fallback's wave time plus its merge partials and call intercept. A layer's bytes are its heads' tokens
+        (the CTAs of a head split them), and only the last wave's CTAs are sized one by one (``at``: their heads'
+        flat index into ``lens0``, ``cut``: the CTAs that head is split into; :meth:`_launch`), so a pricing costs
+        the size of the last wave, not of the launch (:func:`tangram.planner.tail_wave_time`)."""
+        kd, l, H = lens0.shape
+        layer = lens0.sum(axis=0).sum(axis=1)  # [l] tokens (exact integers), grown by kd * H per offset
         total = (layer + offs[:, None] * (kd * H)) * float(self.tok_head_bytes)
         tail = lens0.reshape(-1)[at] + offs[:, None]  # (a view's reshape copies: alike layouts pass layer 0)
         tail = tail / cut
         tail *= self.tok_head_bytes
         c = self.price_costs
         if c is not None:
-            return tail_layer_times(total, tail, launch, c, gq=self.gq, head_dim=self.model.head_dim, fixed=fixed)
-        return tail_wave_time(total, tail, launch, self.dec_bw, self.cta_bw)
+            per = tail_layer_times(total, tail, launch, c, gq=self.gq, head_dim=self.model.head_dim, fixed=fixed)
+        else:
+            per = tail_wave_time(total, tail, launch, self.dec_bw, self.cta_bw)
+        t = per.sum(axis=1) if l == L else per[:, 0] * L  # one layer for L equal ones
+        if c is not None:
+            return t
+        combine = (L // l) * n_partials * self.gq * (self.model.head_dim + 2) * 4 / self.dec_bw
+        return t + combine + L * self.dec_launch  # the fitted intercept of a call includes its merge
 
     def _layer_times(self, size: np.ndarray, launch, fixed: np.ndarray | None = None) -> np.ndarray:
         """Seconds per layer of a decode launch of CTAs ``size`` [L, n] bytes laid out as ``launch``: the fitted
