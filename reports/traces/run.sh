@@ -20,6 +20,14 @@ BASE=()
 if [ $# -ge 1 ]; then BASE=(--baseline-python "$1"); fi
 nice -n 5 python benchmarks/sim_speed.py --what single,identity --trace "$WORK/mooncake_12000.jsonl" \
     --work "$WORK" "${BASE[@]}" | tail -1 > "$OUT/sim_speed_single.json"
+if [ $# -ge 1 ]; then  # this checkout and OLD_PYTHON one process at a time, 3 rounds (the machine's speed drifts)
+  python benchmarks/sim_speed.py --what single --trace "$WORK/mooncake_12000.jsonl" --work "$WORK/alt_mc" \
+      "${BASE[@]}" --alternate 3 | tail -1 > "$OUT/sim_speed_alternate_mooncake.json"
+  python benchmarks/sim_speed.py --what single --burstgpt --work "$WORK/alt_bg" "${BASE[@]}" --alternate 3 \
+      | tail -1 > "$OUT/sim_speed_alternate_burstgpt.json"
+fi
+python benchmarks/sim_speed.py --what identity --trace "$WORK/mooncake_12000.jsonl" --work "$WORK/id" \
+    | tail -1 > "$OUT/sim_speed_identity.json"
 nice -n 5 python benchmarks/sim_speed.py --what capacity --trace "$WORK/mooncake_12000.jsonl" --work "$WORK" \
     | tail -1 > "$OUT/sim_speed_capacity.json"
 cp "$WORK/capacity/metrics.json" "$OUT/capacity_metrics.json"
