@@ -306,11 +306,10 @@ def wave_time(size_bytes: np.ndarray, reps: np.ndarray, n_occ: int, bw: float, c
 @dataclass(frozen=True, eq=False)
 class WaveLaunch:
     """What :func:`wave_time` derives from the CTA counts alone (integers: the same for every pricing of one
-    launch shape, whatever the sizes): per entry its CTAs and those of them in the last wave, the waves per row,
-    and where each CTA of the last wave comes from (flat index into the sizes) and goes (into the tail)."""
+    launch shape, whatever the sizes): per entry its CTAs, the waves per row, and where each CTA of the last wave
+    comes from (flat index into the sizes) and goes (into the tail)."""
 
     reps: np.ndarray  # float64 [L, n] CTAs per entry (exact integers)
-    k: np.ndarray  # float64 [L, n] CTAs of the entry in the last wave
     waves: np.ndarray  # int64 [L]
     src: np.ndarray  # intp [m] flat index into size_bytes of each tail CTA
     dst: np.ndarray  # intp [m] flat index into the [L, w] block of the tail that is sorted
@@ -341,7 +340,7 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
     ctas, split = per_layer.astype(np.float64), (reps > 1).any(axis=1)
     if not per_layer.any():
         z = np.zeros(0, dtype=np.intp)
-        return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(reps.shape), np.zeros(L, dtype=np.int64), z,
+        return _frozen(WaveLaunch(reps.astype(np.float64), np.zeros(L, dtype=np.int64), z,
                                   z.copy(), N, 0, True, ctas, split, False, z, z.copy(), 0))
     waves = -(-per_layer // N)
     tail_n = per_layer - N * np.maximum(0, waves - 1)  # CTAs of the last wave, per layer
@@ -370,14 +369,14 @@ def wave_launch(reps: np.ndarray, n_occ: int) -> WaveLaunch:
         tdst = erow * we + ecol
         tcnt = np.zeros((L, we))
         tcnt.reshape(-1)[tdst] = cnt
-        return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, dst, N, w, False, ctas,
-                                  split, True, nz, tdst, we, tcnt, first))
-    return _frozen(WaveLaunch(reps.astype(np.float64), k.astype(np.float64), waves, src, dst, N, w, False, ctas,
-                              split, False, src, dst, w, None, first))
+        return _frozen(WaveLaunch(reps.astype(np.float64), waves, src, dst, N, w, False, ctas, split, True, nz, tdst,
+                                  we, tcnt, first))
+    return _frozen(WaveLaunch(reps.astype(np.float64), waves, src, dst, N, w, False, ctas, split, False, src, dst, w,
+                              None, first))
 
 
 def _frozen(launch: WaveLaunch) -> WaveLaunch:
-    for a in (launch.reps, launch.k, launch.waves, launch.src, launch.dst, launch.ctas, launch.split, launch.tsrc,
+    for a in (launch.reps, launch.waves, launch.src, launch.dst, launch.ctas, launch.split, launch.tsrc,
               launch.tdst, launch.tcnt, launch.first):
         if a is not None:
             a.flags.writeable = False
