@@ -142,10 +142,14 @@ def test_postgres_two_workers_kill_one(tmp_path, tiny_trace):
     if url is None:  # never a silent skip in CI
         (pytest.fail if in_ci else pytest.skip)(
             "PostgreSQL unavailable: set TANGRAM_PG_URL or let .ci/postgres.sh start a server")
-    study, trials = f"pg-{uuid.uuid4().hex[:10]}", 10
-    b = _worker(tiny_trace, url, study, tmp_path / "out", trials, idx=1)
+    # A starts first and the study has room for both: if B started first it could run every trial before A has
+    # one running (seen once on a loaded machine: "worker ended before it could be killed")
+    study, trials = f"pg-{uuid.uuid4().hex[:10]}", 16
+    b = None
     for _ in range(3):
         a = _worker(tiny_trace, url, study, tmp_path / "out", trials, idx=0)
+        if b is None:
+            b = _worker(tiny_trace, url, study, tmp_path / "out", trials, idx=1)
         before, killed = _kill_mid_trial(a, url, study)
         if killed is not None:
             break
