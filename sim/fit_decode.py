@@ -7,6 +7,10 @@ re-priced from the lengths and split maps it ran with (the synthetic profile of 
 FlashDecoding split count or the row's AOT table), and the constants minimise the squared log error
 (``scipy.optimize.least_squares``, positive by construction). Writes ``decode_costs.json`` into the folder with
 the fit's error per kernel, so a reader sees how well the choice is informed.
+
+``--ratio-margins FILE ...`` (no refit): the routing's per-batch margins from benchmarks/aot_ceiling.py's paired
+timings, each candidate map and FlashDecoding's split on one point: the p90 over candidates and points of
+``|log(predicted ratio) - log(measured ratio)|`` per batch, written into the model's ``by_model`` entry.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from tangram.config import get_model
 from tangram.errors import ConfigError
 from tangram.cli import Parser, cli_main, parse
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
-                             flashdecoding_num_splits, runtime_plan)
+                             flashdecoding_num_splits, runtime_plan, split_candidates)
 
 from .tables import TABLES_ROOT, CostTables
 
@@ -78,7 +82,10 @@ def row_cases(df, n_occ: int, num_sms: int, max_rows: int = 400, seed: int = 0) 
             perm = head_groups(B, Hp)
         lens = np.minimum(ctx, np.ceil(np.take_along_axis(B, perm, axis=1) * ctx - 1e-9))[calls]
         if r["kernel"] in ("static_split", "static_split_ragged"):
-            ns = flashdecoding_num_splits(batch * H, num_sms, max(1, -(-int(lens.max()) // block_n)))
+            # the launch as measured (the bench records its splits; the heuristic changed on 2026-11-27, and
+            # tables measured before keep their own launches), else FlashDecoding's split as the bench computes it
+            ns = int(r["max_splits"]) if _is_set(r.get("max_splits", "")) else \
+                flashdecoding_num_splits(batch * H, num_sms, max(1, -(-int(lens.max()) // block_n)))
             S = np.full((len(calls), H // Hp), ns)
         elif r["kernel"] == "runtime_plan":
             n_cta = int(r["n_cta"]) if _is_set(r.get("n_cta", "")) else n_occ
@@ -176,12 +183,81 @@ def fit(tables_dir: Path, max_rows: int = 400, extra: list[Path] = (), rate_mode
                    + "".join(f" --extra {p}" for p in extra)}
 
 
+def ratio_margins(rows: list[dict], costs: DecodeCosts, *, quantile: float = 90.0) -> tuple[tuple, dict]:
+    """Per batch, the ``quantile`` of the error of the model's predicted candidate / static time ratio against the
+    measured one (benchmarks/aot_ceiling.py rows of one model: ``ms`` per candidate name, timed interleaved), and
+    the counts behind it. The predicted maps are :func:`tangram.planner.split_candidates` at the row's own lengths,
+    as the benchmark launched them."""
+    from tangram.kernels.bench.cases import layer_lens
+
+    errs: dict[int, list[float]] = {}
+    for i, r in enumerate(rows):
+        try:
+            m = get_model(str(r["model"]))
+            batch, ctx, rho, hp, n_occ = int(r["batch"]), int(r["context"]), float(r["rho"]), int(r["hp"]), \
+                int(r["n_occ"])
+            ms, num_sms = r["ms"], int(r["num_sms"])
+            B = _profile(m, rho, r.get("profile_seed", 0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"ratio margins: row {i}: missing or invalid field ({e})") from None
+        perm = head_groups(B, hp)
+        lens = layer_lens(B, perm, ctx)
+        named = split_candidates(B, perm, hp, n_occ, batch, context=ctx, num_sms=num_sms, head_dim=m.head_dim,
+                                 lens=lens)
+
+        def t(S):
+            return float(decode_layer_times(lens, S, hp, batch, n_occ, costs, gq=m.gqa_group, head_dim=m.head_dim,
+                                            dtype_bytes=m.dtype_bytes).sum())
+        t_static = t(named["static"])
+        for k, S in named.items():
+            if k == "static" or k not in ms:
+                continue
+            errs.setdefault(batch, []).append(abs(np.log(t_static / t(S)) - np.log(ms["static"] / ms[k])))
+    if not errs:
+        raise ConfigError("ratio margins: no rows with candidate timings")
+    out = tuple((b, float(np.percentile(errs[b], quantile))) for b in sorted(errs))
+    return out, {str(b): {"pairs": len(errs[b]), "median": float(np.median(errs[b])),
+                          f"p{quantile:g}": float(np.percentile(errs[b], quantile))} for b in sorted(errs)}
+
+
+def add_ratio_margins(tables_dir: Path, files: list[Path]) -> dict:
+    """Write each measured model's ratio margins into ``decode_costs.json``'s ``by_model`` entry (no refit)."""
+    path = tables_dir / DecodeCosts.FILENAME
+    if not path.exists():
+        raise ConfigError(f"{path}: no decode costs to add margins to (fit them first)")
+    doc = json.loads(path.read_text())
+    rows = []
+    for f in files:
+        try:
+            v = json.loads(Path(f).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{f}: cannot read ({e})") from None
+        if not isinstance(v, list):
+            raise ConfigError(f"{f}: expected benchmarks/aot_ceiling.py's list of points")
+        rows += v
+    info = {}
+    for name in sorted({str(r.get("model")) for r in rows}):
+        costs = DecodeCosts.load(tables_dir, name)
+        margins, stats = ratio_margins([r for r in rows if str(r.get("model")) == name], costs)
+        entry = doc.setdefault("by_model", {}).setdefault(name, {})
+        if not entry:
+            raise ConfigError(f"{path}: no by_model entry for {name}: fit the decode costs on its rows first")
+        entry["ratio_margins"] = [list(x) for x in margins]
+        entry["ratio_margins_fit"] = {"files": [str(f) for f in files], "by_batch": stats,
+                                      "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        info[name] = entry["ratio_margins_fit"]
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return info
+
+
 def _parser():
     p = Parser(prog="python -m tangram.sim.fit_decode", description=__doc__.splitlines()[0])
     p.add_argument("tables", nargs="?", default=str(TABLES_ROOT / "h100"), help="tables folder (default %(default)s)")
     p.add_argument("--max-rows", type=int, default=400, help="rows sampled for the fit (default %(default)s)")
     p.add_argument("--extra", nargs="*", default=[], help="more decode_attention.csv files of the same GPU "
                    "(their static, static-ragged and runtime-plan rows join the fit)")
+    p.add_argument("--ratio-margins", nargs="+", default=None, metavar="FILE",
+                   help="no refit: add per-batch routing margins from benchmarks/aot_ceiling.py's JSON files")
     p.add_argument("--rate-model", choices=DecodeCosts.RATE_MODELS, default="saturating",
                    help="how running CTAs share the bandwidth (tangram.planner.DecodeCosts; default %(default)s)")
     return p
@@ -191,6 +267,10 @@ def _parser():
 def main(argv=None) -> int:
     a = parse(_parser(), argv)
     d = Path(a.tables)
+    if a.ratio_margins:
+        print(json.dumps(add_ratio_margins(d, [Path(x) for x in a.ratio_margins]), indent=1))
+        print(f"wrote {d / DecodeCosts.FILENAME}")
+        return 0
     costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra], a.rate_model)
     costs.to_json(d / DecodeCosts.FILENAME, info)
     print(json.dumps({**{k: getattr(costs, k) for k in NAMES + ("margin", "rate_model")}, **info}, indent=1))

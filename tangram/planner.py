@@ -109,14 +109,33 @@ class DecodeCosts:
     # inside the model's error is a coin toss; measured on the H100: 0.90-0.95x static at batch 1 / 8K when 5%)
     margin: float = 0.05
     rate_model: str = "capped"
+    # the margin by batch bucket, where paired measurements gave one: ((smallest batch, margin), ...) ascending.
+    # A map and FlashDecoding's split timed side by side on one point share most of the model's error (bandwidth,
+    # latency), so the error of their predicted *ratio* is what a choice between them risks; its p90 per batch
+    # (``tangram.sim.fit_decode --ratio-margins``, from benchmarks/aot_ceiling.py) replaces ``margin`` there.
+    ratio_margins: tuple = ()
 
     FILENAME = "decode_costs.json"
-    OPTIONAL = ("source", "margin", "rate_model")
+    OPTIONAL = ("source", "margin", "rate_model", "ratio_margins")
     RATE_MODELS = ("capped", "saturating")
 
     def __post_init__(self):
         if self.rate_model not in self.RATE_MODELS:
             raise ConfigError(f"decode costs: rate_model must be one of {self.RATE_MODELS}, got {self.rate_model!r}")
+        rm = tuple((int(b), float(m)) for b, m in self.ratio_margins)
+        if any(b < 1 or not 0.0 <= m < 1.0 for b, m in rm) or [b for b, _ in rm] != sorted({b for b, _ in rm}):
+            raise ConfigError(f"decode costs: ratio_margins must be ascending (batch >= 1, margin in [0, 1)) pairs, "
+                              f"got {self.ratio_margins!r}")
+        object.__setattr__(self, "ratio_margins", rm)
+
+    def margin_for(self, batch: int) -> float:
+        """The predicted gain a map needs over FlashDecoding's split at this batch bucket: the paired-ratio margin
+        of the largest measured batch <= it (none below the smallest: ``margin``)."""
+        m = self.margin
+        for b, r in self.ratio_margins:
+            if b <= batch:
+                m = r
+        return m
 
     def tail_seconds_per_byte(self, n: int) -> np.ndarray:
         """Seconds per byte of the j-th smallest CTA of a last wave of ``n`` (``n - j`` CTAs still running)."""
@@ -164,8 +183,15 @@ class DecodeCosts:
             rm = v.get("rate_model", "capped")
             if rm not in cls.RATE_MODELS:
                 raise ConfigError(f"{p}: {field}rate_model must be one of {list(cls.RATE_MODELS)}, got {rm!r}")
-            return cls(**{k: float(v[k]) for k in names}, margin=_fit_margin(v, p), rate_model=rm,
-                       source=f"{p.name}{' ' + field[:-1] if field else ''}: {v.get('source', '')}".strip())
+            rms = v.get("ratio_margins", [])
+            if not isinstance(rms, list) or not all(isinstance(x, list) and len(x) == 2 for x in rms):
+                raise ConfigError(f"{p}: {field}ratio_margins must be a list of [batch, margin] pairs")
+            try:
+                return cls(**{k: float(v[k]) for k in names}, margin=_fit_margin(v, p), rate_model=rm,
+                           ratio_margins=tuple(tuple(x) for x in rms),
+                           source=f"{p.name}{' ' + field[:-1] if field else ''}: {v.get('source', '')}".strip())
+            except ConfigError as e:
+                raise ConfigError(f"{p}: {field}{e}") from None
         copy = None
         if (d / "meta.json").exists():
             try:
@@ -193,9 +219,11 @@ class DecodeCosts:
         """Carried to another GPU model by its datasheet bandwidth ratio, by the rules of the table transfer
         (``tangram.sim.transfer``): the streaming bandwidth scales; the fixed latencies are latency floors, kept;
         a lone CTA's rate is bound by memory latency (the transfer keeps the straggler tails of the decode rows),
-        kept."""
-        return self.scaled(bandwidth=bandwidth_ratio,
-                           note=f"bandwidth x{bandwidth_ratio:.4g}" + (f" ({label})" if label else ""))
+        kept. The ratio margins are not carried: they were measured on the source GPU's kernels, so the routing on
+        the target keeps the fit's global margin until paired timings of its own give it margins."""
+        return replace(self.scaled(bandwidth=bandwidth_ratio,
+                                   note=f"bandwidth x{bandwidth_ratio:.4g}" + (f" ({label})" if label else "")),
+                       ratio_margins=())
 
     @classmethod
     def for_gpu(cls, gpu_name: str, model: str | None = None, directory: str | Path | None = None) -> "DecodeCosts":
@@ -498,6 +526,48 @@ SPLIT_CANDIDATE_UNIFORM = (2, 4, 8, 16, 32)
 SPLIT_MARGIN = DecodeCosts.margin  # default predicted gain a map needs over the FlashDecoding split (DecodeCosts.margin)
 
 
+SPLIT_CANDIDATE_BALANCED = (1, 2)  # FlashInfer's balanced chunking at k x the resident CTAs
+SPLIT_CANDIDATE_EVEN = (2, 4, 8)  # every head split alike, beyond FlashDecoding's choice
+
+
+def split_candidates(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
+                     context: int, min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS,
+                     num_sms: int | None = None, head_dim: int = 128, lens: np.ndarray | None = None
+                     ) -> dict[str, np.ndarray]:
+    """Named split maps [L, G] for one (batch bucket, context bucket), all computable before serving (the budgets
+    are static): FlashDecoding's split (``static``, with ``num_sms``), Algorithm 1 at :data:`SPLIT_CANDIDATE_WAVES`
+    capped at ``min_split_tokens`` a CTA (``alg1_w{w}``), FlashInfer's balanced chunking computed once from the
+    retained lengths at k x ``n_occ`` CTAs (``balanced_x{k}``: its per-head splits, a group taking its heads'
+    most), and even splits (``uniform_s{s}``). ``lens`` [L, H] slot order: the lengths the balanced chunking sees
+    (default: the budgets at 3/4 of ``context``, where the routing prices). The routing chooses among these, and
+    benchmarks/aot_ceiling.py times each against ``static`` to measure its ratio margins."""
+    B = np.asarray(B, dtype=np.float64)
+    Bg = np.take_along_axis(B, np.asarray(perm), axis=1)
+    L, H = Bg.shape
+    G = H // heads_per_group
+    gmax = Bg.reshape(L, G, heads_per_group).max(axis=2)
+    cap = np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
+    out: dict[str, np.ndarray] = {}
+    if num_sms:
+        block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)  # as static_split_num_splits
+        longest = int(np.ceil(Bg.max() * context))  # at the bucket's edge, where FlashDecoding would see it
+        ns = flashdecoding_num_splits(bucket * H, num_sms, max(1, -(-longest // block_n)))
+        out["static"] = np.full((L, G), ns, dtype=np.int32)
+    for w in SPLIT_CANDIDATE_WAVES:
+        S = aot_split_map(B, perm, heads_per_group, aot_n_cta(n_occ, bucket, heads_per_group, w), "round")
+        out[f"alg1_w{w:g}"] = np.minimum(S, cap).astype(np.int32)
+    if lens is None:
+        lens = np.maximum(1.0, np.ceil(Bg * 0.75 * context))
+    lens = np.asarray(lens, dtype=np.int64)
+    for k in SPLIT_CANDIDATE_BALANCED:
+        rp = runtime_plan(np.broadcast_to(lens[None], (bucket, L, H)), k * n_occ)
+        per_head = np.stack([sp[0] for sp in rp.splits])  # [L, H]: every request alike
+        out[f"balanced_x{k}"] = per_head.reshape(L, G, heads_per_group).max(axis=2).astype(np.int32)
+    for sp in SPLIT_CANDIDATE_EVEN:
+        out[f"uniform_s{sp}"] = np.full((L, G), sp, dtype=np.int32)
+    return out
+
+
 def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
                          waves: float = 1.0, rounding: str = "round", context: int = AOT_MAX_CONTEXT,
                          min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS,
@@ -541,12 +611,13 @@ def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, 
         c64 = cap(64)
         cands += [np.minimum(np.full_like(S0, s), c64) for s in SPLIT_CANDIDATE_UNIFORM]
     static = None
-    if num_sms:  # FlashDecoding's own split, every head alike: the baseline's CTAs exactly
-        block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)  # as static_split_num_splits
-        longest = int(np.ceil(Bg.max() * context))  # at the bucket's edge, where FlashDecoding would see it
-        ns = flashdecoding_num_splits(bucket * B.shape[1], num_sms, max(1, -(-longest // block_n)))
-        static = np.full_like(S0, ns)
-        cands.append(static)
+    if num_sms:  # FlashDecoding's own split, every head alike: the baseline's CTAs exactly, and the maps of
+        # split_candidates (those benchmarks/aot_ceiling.py times against it: the ratio margins are theirs)
+        named = split_candidates(B, perm, heads_per_group, n_occ, bucket, context=context,
+                                 min_split_tokens=min_split_tokens, max_splits=max_splits, num_sms=num_sms,
+                                 head_dim=head_dim, lens=lens)
+        static = named.pop("static")
+        cands += list(named.values()) + [static]
     cands = list({S.tobytes(): S for S in cands}.values())  # distinct maps, first occurrence kept (S0 first)
     times = np.stack([decode_layer_times(lens, S, heads_per_group, bucket, n_occ, costs, gq=gq, head_dim=head_dim,
                                          dtype_bytes=dtype_bytes) for S in cands])  # [n_cand, L]
@@ -558,21 +629,30 @@ def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, 
         times = np.where((ctas < st_ctas[None, :]) & (st_ctas[None, :] <= n_occ), np.inf, times)
     best = times.argmin(axis=0)  # first (Algorithm 1 at the configured waves) on ties
     out = np.stack(cands)[best, np.arange(S0.shape[0])].astype(np.int32)
-    if static is not None:  # keep the baseline's split unless the model predicts a clear gain (its error ~5%)
+    if static is not None:  # keep the baseline's split unless the model predicts a clear gain (beyond its error)
         t_static = decode_layer_times(lens, static, heads_per_group, bucket, n_occ, costs, gq=gq, head_dim=head_dim,
                                       dtype_bytes=dtype_bytes)
-        keep = times.min(axis=0) > (1.0 - costs.margin) * t_static
+        keep = times.min(axis=0) > (1.0 - costs.margin_for(bucket)) * t_static
         out[keep] = static[keep]
     return out
 
 
-def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
-    """FlashAttention-2's ``num_splits_heuristic`` (flash_api.cpp), applied to every head alike.
+FLASHDECODING_SM_FACTOR = 2  # flash_api.cpp: "We multiply number of SMs by 2 to hard-code ... 128 threads per block"
 
-    ``batch_nheads`` counts (request, KV head) pairs of the launch, ``num_n_blocks``
-    the KV blocks of the longest sequence. Picks the fewest splits whose wave
-    efficiency is within 85% of the best.
+
+def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """FlashAttention-2's ``num_splits_heuristic`` as ``set_params_splitkv`` (flash_api.cpp, v2.6 on) calls it,
+    applied to every head alike.
+
+    ``num_sms`` is the device's SM count: FlashAttention-2 passes the heuristic twice that (its split-KV kernel runs
+    128-thread blocks, two per SM), so a launch counts as full from 0.8 x 2 x SMs (request, head) pairs, not 0.8 x
+    SMs (this function took the SM count as is until 2026-11-27, a weaker baseline between the two: e.g. one split
+    instead of two at batch 16 x 8 KV heads on 132 SMs). ``batch_nheads`` counts (request, KV head) pairs of the
+    launch (decode with GQA packs a KV head's query heads into one block, as FlashAttention-2's
+    ``seqlenq_ngroups_swapped``), ``num_n_blocks`` the KV blocks of the longest sequence. Picks the fewest splits
+    whose wave efficiency is within 85% of the best.
     """
+    num_sms = FLASHDECODING_SM_FACTOR * int(num_sms)
     if batch_nheads >= 0.8 * num_sms:
         return 1
     max_splits = min(max_splits, num_sms, max(1, num_n_blocks))

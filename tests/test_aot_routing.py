@@ -107,3 +107,81 @@ def test_margin_comes_from_the_fit_and_gates_every_non_baseline_map(tmp_path):
         assert (keep == ns).all()
         free = aot_bucket_split_map(prof.B, perm, 1, 264, batch, costs=DecodeCosts(margin=0.0), **kw)
         assert (free != ns).any()  # skewed long contexts: Algorithm 1's balance is predicted to pay
+
+
+def test_ratio_margins_apply_by_batch_bucket_load_and_are_not_carried_to_another_gpu(tmp_path):
+    c = DecodeCosts(margin=0.2, ratio_margins=((1, 0.3), (4, 0.06), (64, 0.04)))
+    assert [c.margin_for(b) for b in (1, 2, 4, 16, 64, 256)] == [0.3, 0.3, 0.06, 0.06, 0.04, 0.04]
+    assert DecodeCosts(margin=0.2, ratio_margins=((4, 0.06),)).margin_for(2) == 0.2  # below the smallest measured
+    c.to_json(tmp_path / DecodeCosts.FILENAME)
+    assert DecodeCosts.load(tmp_path).ratio_margins == c.ratio_margins  # JSON round trip
+    assert c.scaled(bandwidth=1.1).ratio_margins == c.ratio_margins  # a probe of the same GPU keeps them
+    assert c.transferred(1.4).ratio_margins == () and c.transferred(1.4).margin_for(16) == 0.2
+    for bad in (((4, 0.1), (1, 0.2)), ((0, 0.1),), ((4, 1.5),)):
+        with pytest.raises(ConfigError, match="ratio_margins"):
+            DecodeCosts(ratio_margins=bad)
+    v = json.loads((tmp_path / DecodeCosts.FILENAME).read_text())
+    v["ratio_margins"] = [[4, 0.1], [1, 0.2]]
+    (tmp_path / DecodeCosts.FILENAME).write_text(json.dumps(v))
+    with pytest.raises(ConfigError, match="decode_costs.json: .*ratio_margins"):
+        DecodeCosts.load(tmp_path)
+
+
+def test_split_candidates_are_the_maps_the_routing_chooses_among():
+    """Every candidate is a valid map of the layout; ``static`` is FlashDecoding's split; the balanced chunking of
+    even lengths splits every head alike; the routing's map is, layer by layer, FlashDecoding's split or one of
+    them (with no margin, the one predicted cheapest)."""
+    from tangram.planner import SPLIT_CANDIDATE_EVEN, split_candidates
+
+    L, H = 4, 8
+    prof = synthetic_profile(L, H, 0.25, seed=int(np.random.default_rng().integers(99)))
+    for hp in (1, 2):
+        perm = head_groups(prof.B, hp)
+        Bg = np.take_along_axis(prof.B, perm, axis=1)
+        for batch, ctx in ((1, 8192), (16, 32768)):
+            named = split_candidates(prof.B, perm, hp, 264, batch, context=ctx, num_sms=132)
+            assert {"static", "alg1_w1", "balanced_x1", "balanced_x2"} <= set(named)
+            assert {f"uniform_s{s}" for s in SPLIT_CANDIDATE_EVEN} <= set(named)
+            for S in named.values():
+                assert S.shape == (L, H // hp) and S.dtype == np.int32 and (S >= 1).all()
+            ns = flashdecoding_num_splits(batch * H, 132, -(-int(np.ceil(Bg.max() * ctx)) // 128))
+            assert (named["static"] == ns).all()
+            S = aot_bucket_split_map(prof.B, perm, hp, 264, batch, context=ctx, costs=DecodeCosts(margin=0.0),
+                                     gq=4, head_dim=128, num_sms=132)
+            allowed = list(split_candidates(prof.B, perm, hp, 264, batch, context=ctx, num_sms=132,
+                                            lens=np.maximum(1.0, np.ceil(Bg * 0.75 * ctx))).values())
+            allowed += [aot_bucket_split_map(prof.B, perm, hp, 264, batch, context=ctx), np.ones_like(S)]
+            assert all(any(np.array_equal(S[l], X[l]) for X in allowed) for l in range(L))
+    even = split_candidates(np.ones((L, H)), np.tile(np.arange(H), (L, 1)), 1, 264, 4, context=8192, num_sms=132)
+    assert all((S == S[0, 0]).all() for k, S in even.items() if k.startswith("balanced"))
+
+
+def test_ratio_margins_fit_is_zero_on_the_models_own_timings_and_the_p90_of_a_known_error():
+    """Rows timed exactly as the model predicts give a margin of 0 at every batch; multiplying one candidate's
+    measured time by 1.1 at every point gives that log error where it lands in the p90."""
+    from tangram.kernels.bench.cases import layer_lens
+    from tangram.planner import decode_layer_times, split_candidates
+    from tangram.config import get_model
+    from tangram.sim.fit_decode import ratio_margins
+
+    m = get_model("llama-3.1-8b")
+    costs = DecodeCosts()
+    rows = []
+    for batch, ctx, rho in ((1, 8192, 0.25), (4, 32768, 0.5), (16, 8192, 0.25)):
+        B = synthetic_profile(m.num_layers, m.num_kv_heads, rho, seed=0).B
+        perm = head_groups(B, 1)
+        lens = layer_lens(B, perm, ctx)
+        named = split_candidates(B, perm, 1, 264, batch, context=ctx, num_sms=132, lens=lens)
+        ms = {k: 1e3 * float(decode_layer_times(lens, S, 1, batch, 264, costs, gq=m.gqa_group, head_dim=m.head_dim)
+                             .sum()) for k, S in named.items()}
+        rows.append({"model": m.name, "profile_seed": 0, "num_sms": 132, "batch": batch, "context": ctx,
+                     "rho": rho, "hp": 1, "n_occ": 264, "ms": ms})
+    margins, stats = ratio_margins(rows, costs)
+    assert [b for b, _ in margins] == [1, 4, 16] and all(x < 1e-9 for _, x in margins)
+    n = len(rows[0]["ms"]) - 1
+    for r in rows:  # every candidate 10% slower than predicted: each pair's error is log(1.1)
+        r["ms"] = {k: v * (1.0 if k == "static" else 1.1) for k, v in r["ms"].items()}
+    margins, stats = ratio_margins(rows, costs)
+    assert all(abs(x - np.log(1.1)) < 1e-9 for _, x in margins) and stats["4"]["pairs"] == n
+    with pytest.raises(ConfigError, match="row 0"):
+        ratio_margins([{"model": m.name}], costs)
