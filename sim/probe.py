@@ -39,6 +39,9 @@ KIND = "tangram-probe"
 VERSION = 1
 GEMM_TOKENS = (1, 16, 128, 512, 2048, 8192)
 GEMM_REP_MS = 40.0  # do_bench's rep: milliseconds of repeated calls per GEMM point
+# GEMM and prefill points are timed this many times, the median kept: one do_bench median once read 0.102 ms for a
+# GEMM whose neighbours in tokens read 0.023 and 0.091 (an H100 of 2026-11-27), a 2.8x factor the rescale applied
+POINT_REPEATS = 3
 TINY_TOKENS = (1, 4)
 TINY_MAX_WEIGHT = 4 * 2**20  # elements: a tiny (CPU) probe skips larger GEMM weights
 COPY_BYTES = 2 * 2**30  # one buffer; read + written = 4 GiB, as kernels/bench.py's copy_bandwidth
@@ -83,7 +86,8 @@ class CudaTimers:
         x = t.randn(tokens, k, device=self.dev, dtype=t.bfloat16)
         # kernels/bench.py times 10 ms of calls: one sample of an 11 ms lm_head, whose median then moved 3-5%
         # between two probes of one H100 (reports/transfer/h100_probe_check); 40 ms gives the large shapes a few
-        return time_eager(lambda: t.matmul(x, w.t()), GEMM_REP_MS)[0]
+        return float(np.median([time_eager(lambda: t.matmul(x, w.t()), GEMM_REP_MS)[0]
+                                for _ in range(POINT_REPEATS)]))
 
     def copy(self, nbytes: int) -> float:
         from tangram.kernels.bench import time_eager
@@ -100,7 +104,9 @@ class CudaTimers:
         """ms per layer call of the tangram_aot kernel; returns (ms, bytes per call)."""
         from tangram.budgets import constant_profile
         from tangram.kernels import decode as dec
-        from tangram.kernels.bench import Arena, DecodeCase, time_graph
+        from tangram.engine.split_table import AotSplitTable
+        from tangram.kernels.bench.cases import Arena, DecodeCase
+        from tangram.kernels.bench.timing import time_graph
 
         H = model.num_kv_heads
         if self._arena is None:
@@ -110,7 +116,7 @@ class CudaTimers:
         case = DecodeCase(self._arena, model, batch, context, 1.0, H, 0, PAGE, B1, n_calls)
         n_occ = 2 * self.torch.cuda.get_device_properties(self.dev).multi_processor_count
         for _ in range(2):  # the occupancy needs the compiled kernel: launch once, then rebuild if it differs
-            table = dec.AotSplitTable(B1, case.perm, H, n_occ, max_batch=256, waves=DECODE_WAVES, device=self.dev)
+            table = AotSplitTable(B1, case.perm, H, n_occ, max_batch=256, waves=DECODE_WAVES, device=self.dev)
             fn, _, _ = case.aot(table, dec.DEFAULT_CONFIG)
             fn()
             self.torch.cuda.synchronize()
@@ -147,7 +153,7 @@ class CudaTimers:
         def run():
             return pre.prefill_attention(q, kn, vn, pool, bt, lens, s2h, page_size=PAGE, heads_per_group=Hp)
         run()
-        ms = time_eager(run)[0]
+        ms = float(np.median([time_eager(run)[0] for _ in range(POINT_REPEATS)]))
         del pool
         return ms, int(lens0.sum())
 
@@ -267,7 +273,8 @@ def run_probe(models, *, device: str = "auto", budget_s: float = 30.0, tiny: boo
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "command": command or "tangram-probe", "budget_s": budget_s, "tiny": bool(tiny),
            "models": [m.name for m in models],
-           "timer": "cuda: triton.testing.do_bench median (kernels/bench.py time_eager) for copy, GEMM and prefill; "
+           "timer": "cuda: triton.testing.do_bench median (kernels/bench.py time_eager) for copy, the median of "
+                    f"{POINT_REPEATS} such for GEMM and prefill; "
                     "CUDA-graph replays timed with events (time_graph) for decode" if device == "cuda" else
                     "cpu: time.perf_counter median of 7 repeats after one warm-up",
            "copy": None, "gemm": [], "decode": [], "prefill": [], "skipped": [], "phase_s": {}}
