@@ -101,12 +101,14 @@ class CudaTimers:
         return ms
 
     def decode(self, model, batch: int, context: int, n_calls: int) -> tuple[float, int]:
-        """ms per layer call of the tangram_aot kernel; returns (ms, bytes per call)."""
+        """ms per layer call of the tangram_aot kernel under Algorithm 1's map at :data:`DECODE_WAVES` (what the
+        engine's split table builds for this batch and context bucket without routing); returns (ms, bytes per
+        call)."""
         from tangram.budgets import constant_profile
         from tangram.kernels import decode as dec
-        from tangram.engine.split_table import AotSplitTable
         from tangram.kernels.bench.cases import Arena, DecodeCase
         from tangram.kernels.bench.timing import time_graph
+        from tangram.planner import aot_bucket_split_map, decode_context_bucket, pow2_bucket
 
         H = model.num_kv_heads
         if self._arena is None:
@@ -116,8 +118,14 @@ class CudaTimers:
         case = DecodeCase(self._arena, model, batch, context, 1.0, H, 0, PAGE, B1, n_calls)
         n_occ = 2 * self.torch.cuda.get_device_properties(self.dev).multi_processor_count
         for _ in range(2):  # the occupancy needs the compiled kernel: launch once, then rebuild if it differs
-            table = AotSplitTable(B1, case.perm, H, n_occ, max_batch=256, waves=DECODE_WAVES, device=self.dev)
-            fn, _, _ = case.aot(table, dec.DEFAULT_CONFIG)
+            S = aot_bucket_split_map(B1, case.perm, H, n_occ, pow2_bucket(batch), waves=DECODE_WAVES,
+                                     context=decode_context_bucket(context))
+            scheds = [dec.schedule_from_split_map(S[l], H, self.dev) for l in case.layers]
+
+            def fn():
+                for i in range(n_calls):
+                    dec.launch_decode(case.q[i], case.pool, case.bt[i], case.lens_t[i], case.s2h[i], scheds[i],
+                                      page_size=PAGE, heads_per_group=H, out=case.out[i], config=dec.DEFAULT_CONFIG)
             fn()
             self.torch.cuda.synchronize()
             real = dec.decode_n_cta(dec.kernel_resources(dec.DEFAULT_CONFIG), dec.device_limits(self.dev))

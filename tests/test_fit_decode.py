@@ -8,19 +8,26 @@ import pytest
 
 from tangram.planner import DecodeCosts
 
+N_PER_KERNEL = 8  # rows per kind of kernel
 
-def _table(tmp_path, truth: DecodeCosts, seed: int):
-    from tangram.sim.fit_decode import predict, row_cases
 
+def _rows(seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for kernel in ("static_split", "static_split_ragged", "runtime_plan", "tangram_aot"):
-        for _ in range(8):
+        for _ in range(N_PER_KERNEL):
             rows.append(dict(kernel=kernel, model="llama-3.1-8b", batch=int(rng.choice([1, 4, 16, 64])),
                              context=int(rng.choice([1024, 8192, 32768])), rho=float(rng.choice([0.25, 0.5, 1.0])),
                              profile_seed=int(rng.integers(0, 5)), n_calls=2,
                              heads_per_group=int(rng.choice([1, 4])), waves=1.0, n_cta=264, bytes=1, median_ms=1.0))
-    df = pd.DataFrame(rows)
+    return rows
+
+
+def _table(tmp_path, truth: DecodeCosts, seed: int):
+    from tangram.sim.fit_decode import predict, row_cases
+
+    rng = np.random.default_rng([seed, 1])
+    df = pd.DataFrame(_rows(seed))
     cases = row_cases(df, 264, 132, max_rows=10_000)
     df["median_ms"] = predict(cases, truth, 264) * 1e3 * np.exp(rng.normal(0, 0.01, len(df)))  # 1% noise
     df.to_csv(tmp_path / "decode_attention.csv", index=False)
@@ -39,7 +46,14 @@ def test_fit_recovers_the_costs_it_was_made_from(tmp_path, seed):
     for kind, st in info["fit"].items():  # every kind of row re-priced within the noise (seed in the test id)
         assert st["median_abs_rel_err"] < 0.03, (kind, st)
     assert costs.bw == pytest.approx(truth.bw, rel=0.05)
-    assert costs.launch_s + costs.cta_s == pytest.approx(truth.launch_s + truth.cta_s, rel=0.25)
+    # what the table identifies, not each latency: launches it did not contain (another seed's rows) are priced as
+    # the truth prices them. (launch_s + cta_s alone is not identified once nearly every small launch splits, as
+    # FlashDecoding's split does at twice the SMs: a fit once matched the rows with it 34% off.)
+    from tangram.sim.fit_decode import predict, row_cases
+    held = pd.DataFrame(_rows(seed + 1))
+    cases = row_cases(held, 264, 132, max_rows=10_000)
+    err = np.abs(predict(cases, costs, 264) / predict(cases, truth, 264) - 1)
+    assert np.median(err) < 0.02 and np.percentile(err, 90) < 0.05, (np.median(err), np.percentile(err, 90))
     # one model in the table: its own entry, served to it by DecodeCosts.load
     assert list(info["by_model"]) == ["llama-3.1-8b"]
     costs.to_json(tmp_path / DecodeCosts.FILENAME, info)
