@@ -568,11 +568,38 @@ def split_candidates(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_oc
     return out
 
 
+_ROUTED: dict = {}  # routed maps by their inputs: a capacity search builds the same maps for every replay
+
+
 def aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
                          waves: float = 1.0, rounding: str = "round", context: int = AOT_MAX_CONTEXT,
                          min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS,
                          costs: DecodeCosts | None = None, gq: int = 4, head_dim: int = 128,
                          dtype_bytes: int = 2, num_sms: int | None = None) -> np.ndarray:
+    """:func:`_aot_bucket_split_map`, the routed maps (``costs`` given, ~20 ms each with the candidate search) kept
+    per process by their inputs; a fresh copy is returned."""
+    if costs is None:
+        return _aot_bucket_split_map(B, perm, heads_per_group, n_occ, bucket, waves=waves, rounding=rounding,
+                                     context=context, min_split_tokens=min_split_tokens, max_splits=max_splits)
+    Bf, pa = np.ascontiguousarray(B, dtype=np.float64), np.ascontiguousarray(perm, dtype=np.int64)
+    key = (Bf.tobytes(), Bf.shape, pa.tobytes(), heads_per_group, n_occ, bucket, float(waves), rounding, context,
+           min_split_tokens, max_splits, costs, gq, head_dim, dtype_bytes, num_sms)
+    S = _ROUTED.get(key)
+    if S is None:
+        S = _aot_bucket_split_map(Bf, pa, heads_per_group, n_occ, bucket, waves=waves, rounding=rounding,
+                                  context=context, min_split_tokens=min_split_tokens, max_splits=max_splits,
+                                  costs=costs, gq=gq, head_dim=head_dim, dtype_bytes=dtype_bytes, num_sms=num_sms)
+        if len(_ROUTED) >= 1024:
+            _ROUTED.pop(next(iter(_ROUTED)))
+        _ROUTED[key] = S
+    return S.copy()
+
+
+def _aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_occ: int, bucket: int, *,
+                          waves: float = 1.0, rounding: str = "round", context: int = AOT_MAX_CONTEXT,
+                          min_split_tokens: int = AOT_MIN_SPLIT_TOKENS, max_splits: int = AOT_MAX_SPLITS,
+                          costs: DecodeCosts | None = None, gq: int = 4, head_dim: int = 128,
+                          dtype_bytes: int = 2, num_sms: int | None = None) -> np.ndarray:
     """The split map the engine launches for a batch bucket and context bucket. The engine's split table and
     the simulator's cost model both call this, so they price and launch the same CTAs.
 
