@@ -18,6 +18,7 @@ import dataclasses
 
 import datetime as _dt
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -271,8 +272,19 @@ def main(argv=None) -> int:
         print(json.dumps(add_ratio_margins(d, [Path(x) for x in a.ratio_margins]), indent=1))
         print(f"wrote {d / DecodeCosts.FILENAME}")
         return 0
+    old = {}
+    if (d / DecodeCosts.FILENAME).exists():
+        try:
+            old = json.loads((d / DecodeCosts.FILENAME).read_text())
+        except json.JSONDecodeError:
+            old = {}
+    had = sorted(k for k, v in (old.get("by_model") or {}).items() if isinstance(v, dict) and v.get("ratio_margins"))
     costs, info = fit(d, a.max_rows, [Path(x) for x in a.extra], a.rate_model)
     costs.to_json(d / DecodeCosts.FILENAME, info)
+    if had:  # the margins measured how wrong the old fit's ratios were: a new fit needs its own
+        files = sorted({f for k in had for f in old["by_model"][k].get("ratio_margins_fit", {}).get("files", [])})
+        print(f"note: the ratio margins of {', '.join(had)} were fitted on the previous costs and are not kept; "
+              f"re-run with --ratio-margins {' '.join(files) or 'FILE'}", file=sys.stderr)
     print(json.dumps({**{k: getattr(costs, k) for k in NAMES + ("margin", "rate_model")}, **info}, indent=1))
     print(f"wrote {d / DecodeCosts.FILENAME}")
     return 0

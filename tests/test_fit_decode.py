@@ -61,3 +61,21 @@ def test_fit_recovers_the_costs_it_was_made_from(tmp_path, seed):
     assert own.source.startswith("decode_costs.json by_model.llama-3.1-8b")
     assert own.margin == pytest.approx(max(info["by_model"]["llama-3.1-8b"]["fit"][k]["p90_abs_rel_err"]
                                            for k in ("static_split", "static_split_ragged", "tangram_aot")))
+
+
+def test_a_refit_says_the_ratio_margins_must_be_fitted_again(tmp_path, capsys):
+    """The ratio margins measured the previous costs' errors: a refit drops them and names the files to re-run."""
+    from tangram.sim.fit_decode import main
+
+    truth = DecodeCosts(bw=2.85e12, cta_bw=4.0e10, cta_s=3e-6, launch_s=4e-6, merge_s=3e-6, rate_model="saturating")
+    _table(tmp_path, truth, 3)
+    truth.to_json(tmp_path / DecodeCosts.FILENAME, {"by_model": {"llama-3.1-8b": {
+        **{k: getattr(truth, k) for k in ("bw", "cta_bw", "cta_s", "launch_s", "merge_s")},
+        "ratio_margins": [[4, 0.06]], "ratio_margins_fit": {"files": ["ceiling.json"]}}}})
+    assert DecodeCosts.load(tmp_path, "llama-3.1-8b").margin_for(16) == 0.06
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), "--max-rows", "100"])
+    assert e.value.code == 0
+    err = capsys.readouterr().err
+    assert "ratio margins of llama-3.1-8b" in err and "--ratio-margins ceiling.json" in err
+    assert DecodeCosts.load(tmp_path, "llama-3.1-8b").ratio_margins == ()
