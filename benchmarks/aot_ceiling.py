@@ -125,16 +125,8 @@ def main(argv=None) -> None:
                         torch.cuda.synchronize()
                         n_occ = dec.decode_n_cta(dec.kernel_resources(cfg), dec.device_limits(dev))
                     maps = _maps(case, n_occ, num_sms, costs, m)
-
-                    def launcher(scheds):
-                        def fn():
-                            for i in range(case.n_calls):
-                                dec.launch_decode(case.q[i], case.pool, case.bt[i], case.lens_t[i], case.s2h[i],
-                                                  scheds[i], page_size=16, heads_per_group=hp, out=case.out[i],
-                                                  config=cfg)
-                        return fn
                     names = list(maps)
-                    timed = time_graphs([launcher(maps[k]) for k in names])
+                    timed = time_graphs([case.launcher(maps[k], cfg) for k in names])
                     ms = {k: t[0] / case.n_calls for k, t in zip(names, timed)}
                     ctas = {k: int(np.mean([s.n_items for s in maps[k]])) * batch for k in names}
                     best = min(ms, key=ms.get)

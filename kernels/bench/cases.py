@@ -75,13 +75,17 @@ class DecodeCase:
         es = 2
         self.bytes = self.kv_tokens * 2 * d * es + 2 * batch * Hq * d * es  # K,V read + q read + o written
 
-    def aot(self, table: dec.AotSplitTable, config):
-        scheds = [table.lookup(l, self.batch, self.ctx) for l in self.layers]
-
+    def launcher(self, scheds, config):
+        """The case's layer-calls under one schedule per call, as one function (what a graph captures)."""
         def fn():
             for i in range(self.n_calls):
                 dec.launch_decode(self.q[i], self.pool, self.bt[i], self.lens_t[i], self.s2h[i], scheds[i],
                                   page_size=self.P, heads_per_group=self.Hp, out=self.out[i], config=config)
+        return fn
+
+    def aot(self, table: dec.AotSplitTable, config):
+        scheds = [table.lookup(l, self.batch, self.ctx) for l in self.layers]
+        fn = self.launcher(scheds, config)
         # the engine's host work: one split-table lookup per step for all L layers (AotSplitTable.step), priced
         # per layer-call as the static split's one num_splits heuristic per step is
         plan = time_host(lambda: table.step(self.batch, self.ctx)) / self.Bratio.shape[0]
@@ -91,12 +95,7 @@ class DecodeCase:
         lens = np.stack([np.tile(self.lens_slot[l], (self.batch, 1)) for l in self.layers], axis=1)  # [B, calls, H]
         plan_ms = time_host(lambda: runtime_step_plan(lens, n_cta, self.q[0].device)) / self.n_calls
         scheds = runtime_step_plan(lens, n_cta, self.q[0].device)
-
-        def fn():
-            for i in range(self.n_calls):
-                dec.launch_decode(self.q[i], self.pool, self.bt[i], self.lens_t[i], self.s2h[i], scheds[i],
-                                  page_size=self.P, heads_per_group=self.Hp, out=self.out[i], config=config)
-        return fn, plan_ms, scheds
+        return self.launcher(scheds, config), plan_ms, scheds
 
 
 def runtime_step_plan(lens: np.ndarray, n_cta: int, device):
