@@ -361,7 +361,7 @@ class Scheduler:
         # 1. decode: every running request past its prefill writes one token.
         self._in_step: set[int] = set()
         while True:
-            dec = [r for r in self.running if r.status == "running" and r.prefilled >= r.prompt]
+            dec = [r for r in self.running if r.prefilled >= r.prompt]  # (every turn in running is "running")
             if not dec:
                 break
             rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
@@ -381,7 +381,7 @@ class Scheduler:
             self._head_tokens += rows.size * new_lens[0].size
             budget -= len(dec)
             d_ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
-            self._in_step.update(r.rid for r in dec)
+            self._in_step = set(d_ids.tolist())  # empty until now (read by preemption, in the loop above)
             d_rows, d_ctx, d_lens = rows, self.ctx[rows].copy(), new_lens
         else:
             d_ids = d_rows = d_ctx = _EMPTY
@@ -716,6 +716,16 @@ class Scheduler:
         run = self.running
         if not run:
             return None
+        # (checked before the pass over the batch: most calls of a saturated replay end here)
+        blocked = None
+        if self.waiting and len(run) < self.engine.max_num_seqs:
+            b = self._blocked
+            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
+                return None
+            sid = b[0].sid
+            if any(s != sid for s in self.idle):
+                return None
+            blocked = b[0]
         dec, pre = [], []
         for r in run:  # one pass over the batch (a replay plans ~30K runs)
             if r.status != "running":
@@ -729,15 +739,6 @@ class Scheduler:
         # boundary a turn may cache ends the run (``commit_run`` registers it as ``update`` would). A blocked
         # head's failed admission is a fixed point with the prefix cache too: it evicted every idle unit and
         # copy source but those of the head's own hit, which it holds again at every attempt.
-        blocked = None
-        if self.waiting and len(run) < self.engine.max_num_seqs:
-            b = self._blocked
-            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
-                return None
-            sid = b[0].sid
-            if any(s != sid for s in self.idle):
-                return None
-            blocked = b[0]
         k_max = min((r.output_tokens - r.generated for r in dec), default=1 << 30)  # first decode finish
         if max_steps is not None:
             k_max = min(k_max, int(max_steps))

@@ -401,7 +401,9 @@ class PrefillInterp:
         self.pts = np.stack([np.log(c), np.log1p(n)], axis=1)
         self.work = c * (n + num_kv_heads * c / 2)
         self.vals = {k: np.maximum(rows[k].to_numpy(float), 1e-6) * 1e-3 for k in self.cols}
-        self._near = NearestNDInterpolator(self.pts, np.arange(len(rows)))
+        # the nearest point's index straight from the interpolator's k-d tree (NearestNDInterpolator's own query,
+        # without its per-call argument handling: half of a replay's outside-the-hull pricings)
+        self._tree = NearestNDInterpolator(self.pts, np.arange(len(rows))).tree
         self._memo: dict[tuple, dict[str, np.ndarray]] = {}
         # one interpolant over every column: one simplex search per query instead of one per column (the same
         # barycentric weights, so the same values), and the nearest point only where a query leaves the hull
@@ -436,7 +438,7 @@ class PrefillInterp:
         # or for none)
         out_ = np.flatnonzero(~np.isfinite(lin).all(axis=1)) if lin is not None else slice(None)
         ch = chunk[out_]
-        idx = self._near(q[out_]).astype(int)
+        idx = self._tree.query(q[out_])[1]
         scale = ch * (cached[out_] + self.H * ch / 2) / self.work[idx]
         out = {}
         for i, k in enumerate(self.cols):
