@@ -51,8 +51,41 @@ def test_tasks_are_seeded_and_their_answers_are_in_the_context():
     assert multi.context.count("One of the special magic numbers for") == MULTIKEY_NEEDLES == 2
 
 
+def test_documentation_haystack_is_the_shipped_text_not_the_interpreters(monkeypatch, tmp_path):
+    """Samples must not depend on the Python that generates them: another interpreter's pydoc_data.topics (its text
+    differs between versions) changes nothing, the snapshot is byte-stable, and a broken file is named."""
+    import sys
+    import types
+
+    from tangram.errors import ConfigError
+    from tangram.profiles import tasks
+
+    before = (doc_lines("calib"), doc_lines("heldout"), make_task("niah_single", "heldout", 3, 300).context)
+    fake = types.ModuleType("pydoc_data.topics")
+    fake.topics = {"other": "text of another Python\n" * 500}
+    monkeypatch.setitem(sys.modules, "pydoc_data.topics", fake)
+    for f in (tasks.doc_topics, tasks.doc_lines):
+        f.cache_clear()
+    assert (doc_lines("calib"), doc_lines("heldout"), make_task("niah_single", "heldout", 3, 300).context) == before
+    assert tasks.write_doc_topics(tmp_path / "fake.json.gz").exists()  # the snapshot reads the interpreter's
+    monkeypatch.setattr(tasks, "DOC_TOPICS", tmp_path / "fake.json.gz")
+    tasks.doc_topics.cache_clear()
+    assert tasks.doc_topics() == fake.topics
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    monkeypatch.setattr(tasks, "DOC_TOPICS", tmp_path / "bad.json.gz")
+    tasks.doc_topics.cache_clear()
+    with pytest.raises(ConfigError, match="bad.json.gz"):
+        tasks.doc_topics()
+    monkeypatch.undo()
+    for f in (tasks.doc_topics, tasks.doc_lines):
+        f.cache_clear()
+    assert tasks.write_doc_topics(tmp_path / "again.json.gz").read_bytes() == tasks.DOC_TOPICS.read_bytes() \
+        or sys.version_info[:2] != (3, 11)  # byte-stable on the Python it was made with
+
+
 def test_splits_share_no_documentation_topic_and_no_needle():
-    from pydoc_data.topics import topics
+    from tangram.profiles.tasks import doc_topics
+    topics = doc_topics()
     sides = {doc_split_of(t) for t in topics}
     assert sides == {"calib", "heldout"}
     held, calib = set(doc_lines("heldout")), set(doc_lines("calib"))

@@ -203,7 +203,16 @@ def job_options(args) -> dict:
     return {"split": args.split, "turns": args.turns, "chunk": args.chunk_size, "batch": args.batch,
             "window": args.window, "kl_context": args.kl_context, "kl_continuation": args.kl_continuation,
             "calib_context": args.calib_context_tokens, "dtype": args.dtype, "dtype_check": args.dtype_check,
-            "curve_split": args.curve_split}
+            "curve_split": args.curve_split, "doc_text": doc_text_digest()}
+
+
+def doc_text_digest() -> str:
+    """The shipped documentation text's digest (tasks.DOC_TOPICS): samples drawn from another text are never
+    reused (before it was shipped, each Python drew its own haystacks)."""
+    import hashlib
+
+    from tangram.profiles.tasks import DOC_TOPICS
+    return hashlib.sha1(DOC_TOPICS.read_bytes()).hexdigest()[:12]
 
 
 def run(args, lists: dict, out: Path) -> dict:
@@ -251,7 +260,7 @@ def run(args, lists: dict, out: Path) -> dict:
     # Every finished sample is appended to OUT/partial*.jsonl; a rerun of the same configuration resumes from it.
     # The curve (full cache only) does not depend on the modes, so it has its own file and fingerprint.
     same = {"model": args.model, "weights": args.weights, **{k: opts[k] for k in ("split", "turns", "chunk", "window",
-                                                                               "dtype")}}
+                                                                               "dtype", "doc_text")}}
     books = {"curve": _Book(out / "partial_curve.jsonl", dict(same, split=args.curve_split), args.fresh, args.dtype),
              "main": _Book(out / "partial.jsonl", dict(same, modes=[m.key for m in modes], opts=opts), args.fresh,
                            args.dtype)}

@@ -8,7 +8,8 @@ forcing (see :mod:`tangram.profiles.evaluate`).
 
 * ``passkey``: the pass key (5 digits) hidden in repeated filler sentences.
 * ``niah_single``: one "special magic number" (7 digits) for a word key hidden
-  in Python's own documentation text (``pydoc_data.topics``).
+  in Python's own documentation text (``pydoc_data.topics`` of CPython 3.11.7,
+  shipped as ``data/pydoc_topics.json.gz``: the same haystacks on every Python).
 * ``niah_multikey``: two needles with different keys in the same haystack;
   the question asks for one of them (the other is the distractor). RULER's
   ``niah_multikey_1`` has four keys: SmolLM2-135M's full cache solves four
@@ -42,9 +43,13 @@ disjoint seed streams and disjoint documentation topics.
 """
 from __future__ import annotations
 
+import gzip
+import json
+import sys
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -140,13 +145,42 @@ def doc_split_of(topic: str) -> str:
     return "heldout" if zlib.crc32(topic.encode()) % 4 == 0 else "calib"
 
 
+DOC_TOPICS = Path(__file__).resolve().parent / "data" / "pydoc_topics.json.gz"
+
+
+@lru_cache(maxsize=1)
+def doc_topics() -> dict[str, str]:
+    """Python's documentation topics as shipped with the package (``data/pydoc_topics.json.gz``: CPython 3.11.7's
+    ``pydoc_data.topics``), not the running interpreter's: that module's text differs between Python versions
+    (for the same (task, index) 3.11 and 3.12 drew different haystacks), so a sample would depend on the Python
+    that generated it. Regenerate with ``python -m tangram.profiles.tasks --write-doc-topics`` (changes every
+    documentation sample: bump ``TASK_VERSIONS`` of the tasks that use it)."""
+    try:
+        with gzip.open(DOC_TOPICS, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{DOC_TOPICS}: cannot read the shipped documentation text ({e})") from None
+    topics = doc.get("topics") if isinstance(doc, dict) else None
+    if not isinstance(topics, dict) or not all(isinstance(v, str) for v in topics.values()):
+        raise ConfigError(f"{DOC_TOPICS}: field 'topics' must map topic names to text")
+    return topics
+
+
+def write_doc_topics(path: Path = DOC_TOPICS) -> Path:
+    """Snapshot the running interpreter's ``pydoc_data.topics`` (byte-stable: sorted keys, gzip mtime 0)."""
+    from pydoc_data.topics import topics
+
+    ver = sys.version.split()[0]
+    doc = {"source": f"pydoc_data.topics of CPython {ver} (Python Software Foundation License), the documentation "
+                     "haystack of tangram.profiles.tasks", "python": ver, "topics": dict(sorted(topics.items()))}
+    Path(path).write_bytes(gzip.compress(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode(), 9, mtime=0))
+    return Path(path)
+
+
 @lru_cache(maxsize=2)
 def doc_lines(split: str) -> tuple[str, ...]:
-    """Lines of Python's documentation (``pydoc_data.topics``) of one split, in a stable order."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # pragma: no cover - part of the standard library
-        raise ConfigError("Python's pydoc_data.topics module is missing (needed for the documentation haystack)")
+    """Lines of Python's documentation (the shipped :func:`doc_topics`) of one split, in a stable order."""
+    topics = doc_topics()
     lines: list[str] = []
     for name in sorted(topics):
         if doc_split_of(name) == split:
@@ -154,7 +188,7 @@ def doc_lines(split: str) -> tuple[str, ...]:
     # drop runs of blank lines: one blank line keeps paragraphs apart
     out = [ln for i, ln in enumerate(lines) if ln or (i and lines[i - 1])]
     if len(out) < 200:
-        raise ConfigError(f"pydoc_data.topics has too little text for the {split!r} split")
+        raise ConfigError(f"{DOC_TOPICS}: too little documentation text for the {split!r} split")
     return tuple(out)
 
 
@@ -333,4 +367,13 @@ def make_text(split: str, index: int, context_tokens: int, continuation_tokens: 
 
 
 __all__ = ["TASKS", "KL_TASK", "SPLITS", "Question", "TaskSample", "TextSample", "make_task", "make_text",
-           "doc_lines", "doc_split_of", "FILLER"]
+           "doc_lines", "doc_split_of", "doc_topics", "write_doc_topics", "FILLER"]
+
+
+if __name__ == "__main__":  # python -m tangram.profiles.tasks --write-doc-topics [PATH]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Snapshot this interpreter's pydoc_data.topics as the shipped "
+                                             "documentation haystack (changes every documentation sample).")
+    ap.add_argument("--write-doc-topics", nargs="?", const=str(DOC_TOPICS), metavar="PATH", required=True)
+    print(write_doc_topics(Path(ap.parse_args().write_doc_topics)))
