@@ -153,7 +153,7 @@ def run(args) -> dict:
                 m["replicas_probes"] = rp["probes"]
                 if rp.get("note"):
                     m["replicas_note"] = rp["note"]
-    common = {"trace": str(spec.trace_path), "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
+    common = {"trace": str(spec.trace_path), "trace_format": trace.source_format, "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
               "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
               "slo": slo, "target_rate": spec.target_rate}

@@ -18,7 +18,10 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
     lines = ["# tangram-sim report", ""]
     if argv is not None:
         lines += ["Command: `tangram-sim " + " ".join(argv) + "`", ""]
-    lines += [f"- trace: `{common['trace']}`", f"- model: {common['model']}, GPU: {common['gpu']}, "
+    fmt = common.get("trace_format", "tangram")
+    how = "" if fmt == "tangram" else \
+        f" ({fmt} format as published, imported with `tangram-trace import {fmt}`'s defaults)"
+    lines += [f"- trace: `{common['trace']}`{how}", f"- model: {common['model']}, GPU: {common['gpu']}, "
               f"router: {common['router']}, seed: {common['seed']}", f"- budget profile: {common['profile']}"]
     if common.get("offered_rps"):
         lines.append(f"- offered load of the trace: {common['offered_rps']:.4g} requests/s")

@@ -104,6 +104,10 @@ class DeploymentSpec:
     """rescale the cost tables to the machine a tangram-probe JSON was measured on"""
     trace: str | None = option(None, group="trace", metavar="TRACE", show="the bundled default trace")
     """multi-turn JSONL trace"""
+    trace_format: str = option("auto", group="trace", choices=("auto", "tangram", "mooncake", "azure", "burstgpt",
+                                                                "sharegpt"))
+    """format of the trace file: detected (auto), ours, or a public format read through tangram-trace import's
+    importer with its defaults (a note on stderr says so)"""
     rate_scale: float | None = option(None, group="trace")
     """multiply the trace's session arrival rate"""
     modes: tuple | None = option(None, group="deployment", flag="--mode", keys=("mode",), input=(str, list),
@@ -167,9 +171,9 @@ class DeploymentSpec:
 
     def load_trace(self):
         """The trace, read and validated, its session arrivals scaled by ``rate_scale``."""
-        from tangram.traces import load_trace
+        from tangram.traces.detect import read_trace
 
-        trace = load_trace(self.trace_path)
+        trace = read_trace(self.trace_path, self.trace_format)
         return trace.scaled(float(self.rate_scale)) if self.rate_scale is not None else trace
 
     def slo_targets(self, default: str | None = None) -> dict | None:

@@ -276,3 +276,94 @@ def test_fuzzed_csv_imports_or_fails_cleanly(tmp_path, fmt, rows):
     else:
         t.validate()
         assert all(x.new_tokens >= 1 and x.output_tokens >= 1 for x in t.turns)
+
+
+# --------------------------------------------------------------------------- reading any format directly
+
+
+def test_detect_format_of_every_published_format(tmp_path):
+    """Every tool that reads a trace takes the public formats as published (detected from the first record)."""
+    from tangram.traces import default_trace_path
+    from tangram.traces.detect import detect_format
+
+    expect = {"azure_llm_2023_sample.csv": "azure", "azure_llm_2024_sample.csv": "azure",
+              "burstgpt_sample.csv": "burstgpt", "burstgpt_v2_sample.csv": "burstgpt",
+              "mooncake_synthetic_trace.jsonl.gz": "mooncake", "sharegpt_sample.json": "sharegpt"}
+    assert {f: detect_format(DATA / f) for f in expect} == expect
+    assert detect_format(default_trace_path()) == "tangram"
+    # an editor's BOM and CRLF; ShareGPT as JSON lines; a gzipped copy; blank lines before the first record
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + (DATA / "azure_llm_2023_sample.csv").read_bytes()
+                                      .replace(b"\n", b"\r\n"))
+    rows = json.loads((DATA / "sharegpt_sample.json").read_text())
+    (tmp_path / "sg.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "ours.jsonl.gz").write_bytes(gzip.compress(b"\n\n" + default_trace_path().read_bytes()))
+    assert [detect_format(tmp_path / f) for f in ("bom.csv", "sg.jsonl", "ours.jsonl.gz")] == \
+        ["azure", "sharegpt", "tangram"]
+
+
+@pytest.mark.parametrize("text,line,fld,frag", [
+    ("a,b,c\n1,2,3\n", 1, None, "a CSV header of no known trace format (got 'a,b,c'); known formats: our JSON lines"),
+    ('{"ts": 1, "tokens": 3}\n', 1, "ts", "unknown field"),  # our loader's error: the first field it rejects
+    ("\n  \n", None, None, "empty trace"),
+])
+def test_unknown_trace_format_names_file_line_and_field(tmp_path, capsys, text, line, fld, frag):
+    from tangram.traces.detect import read_trace
+
+    p = tmp_path / "x.txt"
+    p.write_text(text)
+    with pytest.raises(InputError) as e:
+        read_trace(p)
+    assert (e.value.path, e.value.line, e.value.field) == (str(p), line, fld) and frag in str(e.value)
+    rc, _, err = _run_cli(["check", str(p)], capsys)
+    assert rc == 2 and err.startswith(f"error: {p}") and frag in err and err.count("\n") == 1
+    (tmp_path / "bad.gz").write_bytes(b"\x1f\x8b" + b"garbage" * 10)
+    with pytest.raises(InputError, match="corrupt gzip"):
+        read_trace(tmp_path / "bad.gz")
+
+
+def test_public_formats_read_directly_equal_their_import(tmp_path, capsys):
+    """check / stats / the spec's trace read a raw public file through the importer's defaults (saying so on
+    stderr): the same turns as `tangram-trace import` then our format; --format names it, and a wrong one fails
+    in that importer with file, line and field."""
+    from tangram.traces.detect import read_trace
+
+    src = DATA / "burstgpt_sample.csv"
+    out = tmp_path / "bg.jsonl"
+    assert _run_cli(["import", "burstgpt", str(src), "-o", str(out)], capsys)[0] == 0
+    said = []
+    direct = read_trace(src, notes=said.append)
+    assert [t.to_dict() for t in direct.turns] == [t.to_dict() for t in load_trace(out).turns]
+    assert "read as a BurstGPT trace (detected)" in said[0] and "tangram-trace import burstgpt" in said[0]
+    assert any("zero" in s.lower() for s in said[1:])  # the importer's own notes follow (its zero-token rows)
+    rc, stdout, err = _run_cli(["check", str(src)], capsys)
+    assert rc == 0 and f"{src}: OK" in stdout and "note: " in err and "read as a BurstGPT trace" in err
+    rc, stdout, _ = _run_cli(["stats", str(src), "--json"], capsys)
+    assert rc == 0 and json.loads(stdout.strip().splitlines()[-1])
+    rc, _, err = _run_cli(["check", str(src), "--format", "azure"], capsys)
+    assert rc == 2 and err.startswith(f"error: {src}") and "TIMESTAMP" in err
+    rc, stdout, err = _run_cli(["check", str(out), "--format", "tangram"], capsys)
+    assert rc == 0 and "note" not in err
+
+
+def test_simulator_runs_a_raw_public_trace_as_its_import(tmp_path, capsys):
+    """`tangram-sim FILE` on a file as published: the same requests.csv as on its import, and a note saying how
+    it was read; --trace-format names the format."""
+    from tangram.sim.cli import main as sim_main
+
+    src = DATA / "azure_llm_2023_sample.csv"
+    imported = tmp_path / "az.jsonl"
+    assert _run_cli(["import", "azure", str(src), "-o", str(imported)], capsys)[0] == 0
+    outs = []
+    for name, argv in (("raw", [str(src)]), ("named", [str(src), "--trace-format", "azure"]),
+                       ("imported", [str(imported)])):
+        with pytest.raises(SystemExit) as e:
+            sim_main([*argv, "--mode", "tangram", "--no-plots", "--out", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert e.value.code == 0
+        assert ("read as an Azure LLM inference trace" in err) == (name != "imported")
+        assert ("(detected)" in err) == (name == "raw")
+        outs.append((tmp_path / name / "requests.csv").read_text())
+        fmt = json.loads((tmp_path / name / "metrics.json").read_text())["tangram"]["run"]["trace_format"]
+        assert fmt == ("tangram" if name == "imported" else "azure")
+        assert ("(azure format as published" in (tmp_path / name / "report.md").read_text()) == (name != "imported")
+    assert outs[0] == outs[1] == outs[2]

@@ -11,12 +11,11 @@ import sys
 
 from tangram.cli import Parser, cli_main
 
+from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
 from .format import Trace, load_trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
 from .importing import ZERO_POLICIES, ImportReport
 from .stats import DEFAULT_MODEL, sanity_warnings, summary
-
-FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt")
 
 
 def _positive_float(name: str):
@@ -70,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a trace; one summary line when valid, warnings on stderr")
     c.add_argument("file")
+    _format_arg(c)
     _limit_args(c)
 
     g = sub.add_parser("gen", help="generate a seeded synthetic SCBench-like trace")
@@ -146,8 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="session structure, distributions, offered load and warnings")
     s.add_argument("file")
     s.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    _format_arg(s)
     _limit_args(s)
     return p
+
+
+def _format_arg(p) -> None:
+    p.add_argument("--format", choices=TRACE_FORMATS, default="auto",
+                   help="the file's format (default: detected; a public format is imported with tangram-trace "
+                        "import's defaults, which a note says)")
 
 
 def _limit_args(p) -> None:
@@ -171,7 +178,7 @@ def _warn(trace: Trace, a, df=None) -> None:
 
 
 def _cmd_check(a) -> int:
-    t = load_trace(a.file)
+    t = read_trace(a.file, a.format)
     d = t.to_frame()
     limit = _max_context(a)
     print(f"{a.file}: OK: {len(t)} turns in {t.num_sessions} sessions, "
@@ -221,24 +228,12 @@ def _cmd_gen_mooncake(a) -> int:
 
 def _cmd_import(a) -> int:
     rep = ImportReport(a.format, a.input)
-    if a.format == "mooncake":
-        from .mooncake import import_mooncake
-
-        t = import_mooncake(a.input, block_tokens=a.block_tokens, zero=a.zero, service_rate=a.service_rate,
-                            report=rep)
-    elif a.format == "azure":
-        from .azure import import_azure
-
-        t = import_azure(a.input, zero=a.zero, limit=a.limit, report=rep)
-    elif a.format == "burstgpt":
-        from .burstgpt import import_burstgpt
-
-        t = import_burstgpt(a.input, log_type=a.log_type, zero=a.zero, limit=a.limit, report=rep)
-    else:
-        from .sharegpt import import_sharegpt
-
-        t = import_sharegpt(a.input, seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text,
-                            limit=a.limit, progress=sys.stderr.isatty(), report=rep)
+    opts = {"mooncake": lambda: dict(block_tokens=a.block_tokens, zero=a.zero, service_rate=a.service_rate),
+            "azure": lambda: dict(zero=a.zero, limit=a.limit),
+            "burstgpt": lambda: dict(log_type=a.log_type, zero=a.zero, limit=a.limit),
+            "sharegpt": lambda: dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text,
+                                     limit=a.limit, progress=sys.stderr.isatty())}[a.format]()
+    t = import_trace(a.format, a.input, report=rep, **opts)
     save_trace(t, a.output)
     cont = sum(1 for x in t.turns if x.turn > 0)
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions ({cont} continuations)")
@@ -255,7 +250,7 @@ def _cmd_import(a) -> int:
 def _cmd_stats(a) -> int:
     import pandas as pd
 
-    s = summary(load_trace(a.file), _max_context(a))
+    s = summary(read_trace(a.file, a.format), _max_context(a))
     for w in s["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     if a.json:

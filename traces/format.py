@@ -88,6 +88,7 @@ class Trace:
 
     turns: list[Turn]
     source: str = "<memory>"
+    source_format: str = "tangram"  # the file's format when read: ours, or the public format imported on the fly
 
     def __len__(self) -> int:
         return len(self.turns)
@@ -124,14 +125,15 @@ class Trace:
                 or not (math.isfinite(rate_scale) and rate_scale > 0):
             raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
         turns = [replace(t, arrival_s=t.arrival_s / rate_scale) if t.turn == 0 else t for t in self.turns]
-        return Trace(turns, f"{self.source} (rate x{rate_scale:g})")
+        return Trace(turns, f"{self.source} (rate x{rate_scale:g})", self.source_format)
 
     def head(self, n_sessions: int) -> "Trace":
         """The ``n_sessions`` earliest-arriving sessions (all their turns, file order kept)."""
         if isinstance(n_sessions, bool) or not isinstance(n_sessions, numbers.Integral) or n_sessions < 0:
             raise ConfigError(f"n_sessions must be an integer >= 0, got {n_sessions!r}")
         keep = {t.session_id for t in self.first_turns()[:n_sessions]}
-        return Trace([t for t in self.turns if t.session_id in keep], f"{self.source} (first {n_sessions} sessions)")
+        return Trace([t for t in self.turns if t.session_id in keep], f"{self.source} (first {n_sessions} sessions)",
+                     self.source_format)
 
     def validate(self) -> None:
         """Re-check an in-memory trace against the file format (what ``save_trace`` would write)."""

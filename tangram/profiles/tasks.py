@@ -371,9 +371,9 @@ __all__ = ["TASKS", "KL_TASK", "SPLITS", "Question", "TaskSample", "TextSample",
 
 
 if __name__ == "__main__":  # python -m tangram.profiles.tasks --write-doc-topics [PATH]
-    import argparse
+    from tangram.cli import Parser
 
-    ap = argparse.ArgumentParser(description="Snapshot this interpreter's pydoc_data.topics as the shipped "
+    ap = Parser(prog="python -m tangram.profiles.tasks", description="Snapshot this interpreter's pydoc_data.topics as the shipped "
                                              "documentation haystack (changes every documentation sample).")
     ap.add_argument("--write-doc-topics", nargs="?", const=str(DOC_TOPICS), metavar="PATH", required=True)
     print(write_doc_topics(Path(ap.parse_args().write_doc_topics)))
