@@ -107,6 +107,13 @@ def run(args) -> dict:
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     ff = args.fast_forward
+    from tangram.traces import sanity_warnings
+
+    # what `tangram-trace check` would warn about, for the model this run serves (a raw public file comes here
+    # without passing through check: an importer that failed to split sessions shows up now, not as odd results)
+    trace_warnings = sanity_warnings(trace, spec.model.max_context)
+    for w in trace_warnings:
+        print(f"warning: {trace.source}: {w}", file=sys.stderr)
     spans = {t.arrival_s for t in trace.turns if t.turn == 0}
     offered = offered_rps(trace) if len(spans) > 1 else None
     total = len(trace.turns) * len(modes)
@@ -158,6 +165,7 @@ def run(args) -> dict:
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
               "slo": slo, "target_rate": spec.target_rate}
     common["accuracy"] = accuracy_label
+    common["trace_warnings"] = trace_warnings
     for mode, m in metrics.items():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
         m["run"] = common

@@ -367,3 +367,20 @@ def test_simulator_runs_a_raw_public_trace_as_its_import(tmp_path, capsys):
         assert fmt == ("tangram" if name == "imported" else "azure")
         assert ("(azure format as published" in (tmp_path / name / "report.md").read_text()) == (name != "imported")
     assert outs[0] == outs[1] == outs[2]
+
+
+def test_simulator_warns_about_the_trace_it_reads(tmp_path, capsys):
+    """tangram-sim says what `tangram-trace check` would (here: all sessions arrive at once, a prompt longer than
+    the model's window, and its session growing past it) on stderr, in report.md and in metrics.json, and still runs."""
+    from tangram.sim.cli import main as sim_main
+
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"session_id": "a", "turn": 0, "arrival_s": 0, "new_tokens": 100, "output_tokens": 4}\n'
+                 '{"session_id": "b", "turn": 0, "arrival_s": 0, "new_tokens": 9000, "output_tokens": 4}\n')
+    with pytest.raises(SystemExit) as e:
+        sim_main([str(p), "--model", "smollm2-135m", "--mode", "full", "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert e.value.code == 0
+    assert f"warning: {p}: arrival span is 0 s" in err and "longer than the 8,192-token context window" in err
+    warns = json.loads((tmp_path / "o" / "metrics.json").read_text())["full"]["run"]["trace_warnings"]
+    assert len(warns) == 3 and all(w in (tmp_path / "o" / "report.md").read_text() for w in warns)
