@@ -12,7 +12,7 @@ import sys
 from tangram.cli import Parser, cli_main
 
 from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
-from .format import Trace, load_trace, save_trace
+from .format import Trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
 from .importing import ZERO_POLICIES, ImportReport
 from .stats import DEFAULT_MODEL, sanity_warnings, summary
