@@ -549,13 +549,13 @@ class CostModel:
         shape are priced together, each exactly as alone."""
         kd, L, H = lens0.shape
         base, alike = lens0, 1
+        # (key, the launch's CTA counts when the key is not kept): the counts are made only when needed, and checked
+        # right before each launch is built, since building one may push an earlier key out of the kept ones
         if self.partition == "aot":
             keys = [None] if contexts is None else [decode_context_bucket(c) for c in contexts.tolist()]
-            groups = _groups(keys)
-            launches = [(idx, ("aot", kd, b), None if ("aot", kd, b) in self._launches else
-                         self._aot_reps(kd, None if b is None else int(contexts[idx if isinstance(idx, int) else
-                                                                                  idx[0]])))
-                        for b, idx in groups.items()]
+            launches = [(idx, ("aot", kd, b), lambda b=b, idx=idx: self._aot_reps(
+                kd, None if b is None else int(contexts[idx if isinstance(idx, int) else idx[0]])))
+                for b, idx in _groups(keys).items()]
         else:
             d = self.model.head_dim
             block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
@@ -564,15 +564,17 @@ class CostModel:
             if L > 1 and (lens0 == lens0[:, :1, :1]).all():  # every layer alike: one priced for the L equal ones
                 base, alike = lens0[:, :1], L
             l = base.shape[1]
-            launches = [(idx, ("static", l, kd * H, sp), None if ("static", l, kd * H, sp) in self._launches else
-                         np.full((l, kd * H), sp, dtype=np.int64)) for sp, idx in _groups(keys).items()]
+            launches = [(idx, ("static", l, kd * H, sp), lambda sp=sp: np.full((l, kd * H), sp, dtype=np.int64))
+                        for sp, idx in _groups(keys).items()]
         if len(launches) == 1:  # one launch shape for every point (the usual case)
-            _, key, reps = launches[0]
-            launch, n_partials, f, rows, at, cut = self._launch(key, reps, base.shape)
+            _, key, make = launches[0]
+            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else make(),
+                                                                base.shape)
             return self._lens_totals(base, offs, launch, n_partials, rows, at, cut, L), np.full(offs.size, alike * f)
         out, fixed = np.empty(offs.size), np.empty(offs.size)
-        for idx, key, reps in launches:
-            launch, n_partials, f, rows, at, cut = self._launch(key, reps, base.shape)
+        for idx, key, make in launches:
+            launch, n_partials, f, rows, at, cut = self._launch(key, None if key in self._launches else make(),
+                                                                base.shape)
             out[idx] = self._lens_totals(base, offs[idx], launch, n_partials, rows, at, cut, L)
             fixed[idx] = alike * f
         return out, fixed

@@ -237,3 +237,36 @@ def test_prices_of_a_runs_steps_at_once_equal_each_step_alone(mode, part, fitted
     for i, o in enumerate(offs.tolist()):
         alone = cm._decode_attention(lens0 + o, int(ctx[i]))[0]
         assert t[i] == alone and fixed[i] == cm._dec_fixed, (i, t[i], alone)
+
+
+@pytest.mark.parametrize("part", ["static", "aot"])
+def test_a_pricing_of_several_launch_shapes_survives_the_kept_shapes_turning_over(part):
+    """One pricing whose points need several launch shapes, one of them kept but the oldest of a full set of kept
+    shapes: building the shape it lacks pushes the kept one out before it is read. Crashed the capacity search
+    (full mode, a run crossing a split-count boundary: `int() argument ... not 'NoneType'`); each point must still
+    price exactly as alone."""
+    _shipped()
+    eng = EngineConfig(mode="full" if part == "static" else "tangram", decode_partition=part)
+    prof = synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=3)
+    sched = Scheduler(LLAMA, eng, prof, pool_bytes=2**30)
+    cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile)
+    kd, H = 3, LLAMA.num_kv_heads
+    lens0 = np.full((kd, LLAMA.num_layers, H), 1000, dtype=np.int64)
+    if part == "static":  # offsets crossing block boundaries: split counts (launch shapes) change along the run
+        offs = np.array([1, 20_000, 60_000, 120_000], dtype=np.int64)
+        ctx = None
+    else:  # contexts in different buckets: one split map each
+        offs = np.array([1, 2, 3], dtype=np.int64)
+        ctx = np.array([2_000, 40_000, 120_000], dtype=np.int64)
+    alone = [cm._decode_prices(lens0, offs[i:i + 1], None if ctx is None else ctx[i:i + 1]) for i in range(offs.size)]
+    assert len(cm._launches) >= 2
+    want_t = np.array([t[0][0] for t in alone])
+    keep = list(cm._launches)[-1]  # a shape the pricing needs: made the oldest kept, every other one dropped
+    hit = cm._launches[keep]
+    cm._launches.clear()
+    cm._launches[keep] = hit
+    for i in range(63):  # fill the kept set with other shapes (each priced once)
+        cm._launch(("filler", i), np.full((1, 2), 1 + i % 3, dtype=np.int64), (2, 1, 1))
+    assert len(cm._launches) == 64 and next(iter(cm._launches)) == keep
+    t, _ = cm._decode_prices(lens0, offs, ctx)
+    np.testing.assert_array_equal(t, want_t)
