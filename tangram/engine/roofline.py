@@ -612,6 +612,9 @@ def _parser():
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (emulated graphs, no profiler)")
     p.add_argument("--num-layers", type=int, help="use only this many layers of the model (smoke runs)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                   help="BLAS library of the dense GEMMs (torch.backends.cuda.preferred_blas_library; an A/B knob: "
+                        "the engine keeps torch's default)")
     p.add_argument("--async-steps", action=argparse.BooleanOptionalAction, default=False,
                    help="time asynchronous decode steps (ExecutorOptions.async_steps: the next step is launched "
                         "before the previous one's tokens are read); default: synchronous steps")
@@ -635,6 +638,8 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("error: the roofline benchmark needs a CUDA GPU (--device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if a.blas != "default":
+        torch.backends.cuda.preferred_blas_library(a.blas)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -664,7 +669,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_gbps": copy_bw / 1e9,
             "command": "python -m tangram.engine.roofline " + " ".join(argv if argv is not None else sys.argv[1:]),
             "torch": torch.__version__, "elapsed_s": time.time() - t0, "async_steps": bool(a.async_steps),
-            "decode_tile": a.decode_tile or "default"}
+            "decode_tile": a.decode_tile or "default", "blas": a.blas}
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "roofline.csv", index=False)
