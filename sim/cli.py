@@ -95,6 +95,7 @@ def run(args) -> dict:
     from tangram.metrics import records_frame, write_metrics, write_requests_csv
 
     from tangram.harness import offered_rps
+    from tangram.traces import sanity_warnings
     from tangram.profiles.accuracy import AccuracyModel
 
     from .report import write_report
@@ -107,8 +108,6 @@ def run(args) -> dict:
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     ff = args.fast_forward
-    from tangram.traces import sanity_warnings
-
     # what `tangram-trace check` would warn about, for the model this run serves (a raw public file comes here
     # without passing through check: an importer that failed to split sessions shows up now, not as odd results)
     trace_warnings = sanity_warnings(trace, spec.model.max_context)
@@ -160,7 +159,8 @@ def run(args) -> dict:
                 m["replicas_probes"] = rp["probes"]
                 if rp.get("note"):
                     m["replicas_note"] = rp["note"]
-    common = {"trace": str(spec.trace_path), "trace_format": trace.source_format, "model": spec.model.name, "gpu": spec.gpu.name, "seed": spec.seed,
+    common = {"trace": str(spec.trace_path), "trace_format": trace.source_format, "model": spec.model.name,
+              "gpu": spec.gpu.name, "seed": spec.seed,
               "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
               "slo": slo, "target_rate": spec.target_rate}

@@ -22,6 +22,7 @@ from tangram.harness.cluster import ROUTERS
 from tangram.harness.slo import parse_slo
 from tangram.options import Spec, check, finish, option, options_of
 from tangram.placement import check_tp
+from tangram.traces.detect import TRACE_FORMATS
 
 RAGGED_MODES = ("br+rp", "tangram")
 
@@ -104,8 +105,7 @@ class DeploymentSpec:
     """rescale the cost tables to the machine a tangram-probe JSON was measured on"""
     trace: str | None = option(None, group="trace", metavar="TRACE", show="the bundled default trace")
     """multi-turn JSONL trace"""
-    trace_format: str = option("auto", group="trace", choices=("auto", "tangram", "mooncake", "azure", "burstgpt",
-                                                                "sharegpt"))
+    trace_format: str = option("auto", group="trace", choices=TRACE_FORMATS)
     """format of the trace file: detected (auto), ours, or a public format read through tangram-trace import's
     importer with its defaults (a note on stderr says so)"""
     rate_scale: float | None = option(None, group="trace")

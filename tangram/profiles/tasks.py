@@ -373,7 +373,8 @@ __all__ = ["TASKS", "KL_TASK", "SPLITS", "Question", "TaskSample", "TextSample",
 if __name__ == "__main__":  # python -m tangram.profiles.tasks --write-doc-topics [PATH]
     from tangram.cli import Parser
 
-    ap = Parser(prog="python -m tangram.profiles.tasks", description="Snapshot this interpreter's pydoc_data.topics as the shipped "
-                                             "documentation haystack (changes every documentation sample).")
+    ap = Parser(prog="python -m tangram.profiles.tasks",
+                description="Snapshot this interpreter's pydoc_data.topics as the shipped documentation haystack "
+                            "(changes every documentation sample).")
     ap.add_argument("--write-doc-topics", nargs="?", const=str(DOC_TOPICS), metavar="PATH", required=True)
     print(write_doc_topics(Path(ap.parse_args().write_doc_topics)))
