@@ -3,7 +3,7 @@
 
 A replay's time is ~1.3 ms of Python a event (a single step or a run of steps, docs/simulator.md), so the number
 of single steps bounds what fast-forwarding can still save. ``Scheduler.plan_run`` declines while the queue's head
-could be admitted at the next step; this tool names each decline's reason as ``plan_run``'s own tests do:
+could be admitted at the next step, among others (``Scheduler.declined``):
 
 * ``head not blocked``: no failed admission of the head yet (it is tried at the next step, or the step's chunks
   leave no token budget to try it);
@@ -29,40 +29,20 @@ def main(argv: list[str]) -> int:
     steps: collections.Counter = collections.Counter()
     plan_run, schedule = S.Scheduler.plan_run, S.Scheduler.schedule
 
-    def why(self) -> str | None:
-        if not self.running:
-            return "nothing running"
-        if not (self.waiting and len(self.running) < self.engine.max_num_seqs):
-            return None  # declined for a reason of the running set (prefill not reserved, copy-on-write, memory)
-        b = self._blocked
-        if b is None:
-            return "head not blocked"
-        if b[0] is not self.waiting[0]:
-            return "head changed"
-        if self.pool.n_free > b[1]:
-            return "freed since"
-        if any(s != b[0].sid for s in self.idle):
-            return "idle sessions"
-        return None
-
     def plan_run_counted(self, max_steps=None):
         r = plan_run(self, max_steps)
-        self._why_declined = None
-        if r is None:
-            self._why_declined = why(self) or "the running set"
-            declined[self._why_declined] += 1
-        else:
-            declined["ran ahead"] += 1
+        declined["ran ahead" if r is not None else self.declined] += 1
+        self._asked = True
         return r
 
     def schedule_counted(self):
-        reason = getattr(self, "_why_declined", None) or "not asked (fast-forward off or first step)"
+        reason = self.declined if getattr(self, "_asked", False) else "not asked (fast-forward off)"
+        self._asked = False
         p = schedule(self)
         c = p.counters
         what = ("admitted" if c.get("admitted") else "no admission") + (", prefill" if p.num_prefill else "") \
             + (", evicted" if c.get("evicted") else "")
         steps[f"{what} | after: {reason}"] += 1
-        self._why_declined = None
         return p
 
     S.Scheduler.plan_run, S.Scheduler.schedule = plan_run_counted, schedule_counted

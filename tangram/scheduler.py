@@ -157,6 +157,7 @@ class Scheduler:
         self._copies: list[tuple] = []
         self._seq = 0
         self._step = 0
+        self.declined: str | None = None  # why the last plan_run ran nothing ahead (None: it planned a run)
         self._in_step: set[int] = set()
         self._events: list[Event] = []
         self._counters: dict = {}
@@ -715,26 +716,28 @@ class Scheduler:
         """
         run = self.running
         if not run:
-            return None
+            return self._decline("nothing running")
         # (checked before the pass over the batch: most calls of a saturated replay end here)
         blocked = None
         if self.waiting and len(run) < self.engine.max_num_seqs:
             b = self._blocked
-            if b is None or b[0] is not self.waiting[0] or self.pool.n_free > b[1]:
-                return None
+            if b is None:
+                return self._decline("head not blocked")  # not tried yet, or no token budget to try it
+            if b[0] is not self.waiting[0]:
+                return self._decline("head changed")
+            if self.pool.n_free > b[1]:
+                return self._decline("freed since")  # pages freed since its failed try: the next may pass
             sid = b[0].sid
             if any(s != sid for s in self.idle):
-                return None
+                return self._decline("idle sessions")  # a session parked since: the next try evicts it
             blocked = b[0]
         dec, pre = [], []
-        for r in run:  # one pass over the batch (a replay plans ~30K runs)
-            if r.status != "running":
-                return None
+        for r in run:  # one pass over the batch (a replay plans ~30K runs; every turn in running is "running")
             (dec if r.prefilled >= r.prompt else pre).append(r)
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
-            return None
+            return self._decline("chunks not reserved")
         if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk
-            return None
+            return self._decline("copy-on-write")
         # A chain's chunks are cut at its segment ends (``_chunk_len``), and a chunk that reaches the next chain
         # boundary a turn may cache ends the run (``commit_run`` registers it as ``update`` would). A blocked
         # head's failed admission is a fixed point with the prefix cache too: it evicted every idle unit and
@@ -769,7 +772,7 @@ class Scheduler:
                     k_max = j
                     break
         if k_max < 1:
-            return None
+            return self._decline("no step")
         rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
         lens0 = self.head_lens[rows]
         if dec:
@@ -786,7 +789,7 @@ class Scheduler:
         else:
             per, k = np.zeros(k_max, dtype=np.int64), k_max
         if k < 1:
-            return None
+            return self._decline("no free page")
         if k < k_max:  # cut by memory: the steps after k neither complete a prompt nor happen
             chunks = [ch for ch in chunks if ch[0] <= k]
             if pre:
@@ -795,7 +798,13 @@ class Scheduler:
                       self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
                       self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
         self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None)
+        self.declined = None
         return out
+
+    def _decline(self, why: str) -> None:
+        """:meth:`plan_run` runs nothing ahead; ``declined`` says why (read by benchmarks/sim_step_causes.py)."""
+        self.declined = why
+        return None
 
     def run_admits_nothing(self) -> bool:
         """Whether the pending run (:meth:`plan_run`) admits no turn at any of its steps whatever joins the queue

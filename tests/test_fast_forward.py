@@ -220,10 +220,10 @@ def test_plan_run_refuses_when_the_next_step_would_admit():
     s = _busy_scheduler(0)
     while s.plan_run() is None and s.has_work():
         _step(s)
-    assert s.plan_run() is not None
+    assert s.plan_run() is not None and s.declined is None
     s.add_request(99, "new", 4, 3)  # an arrival: only the next step can try to admit it
     if s.waiting[0].rid == 99:
-        assert s.plan_run() is None
+        assert s.plan_run() is None and s.declined == "head not blocked"
     run = s.plan_run()
     if run is not None:  # a blocked head: the new turn queues behind it and changes nothing
         assert s.waiting[0].rid != 99
