@@ -228,11 +228,15 @@ def _cmd_gen_mooncake(a) -> int:
 
 def _cmd_import(a) -> int:
     rep = ImportReport(a.format, a.input)
-    opts = {"mooncake": lambda: dict(block_tokens=a.block_tokens, zero=a.zero, service_rate=a.service_rate),
-            "azure": lambda: dict(zero=a.zero, limit=a.limit),
-            "burstgpt": lambda: dict(log_type=a.log_type, zero=a.zero, limit=a.limit),
-            "sharegpt": lambda: dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text,
-                                     limit=a.limit, progress=sys.stderr.isatty())}[a.format]()
+    if a.format == "mooncake":
+        opts = dict(block_tokens=a.block_tokens, zero=a.zero, service_rate=a.service_rate)
+    elif a.format == "azure":
+        opts = dict(zero=a.zero, limit=a.limit)
+    elif a.format == "burstgpt":
+        opts = dict(log_type=a.log_type, zero=a.zero, limit=a.limit)
+    else:
+        opts = dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text, limit=a.limit,
+                    progress=sys.stderr.isatty())
     t = import_trace(a.format, a.input, report=rep, **opts)
     save_trace(t, a.output)
     cont = sum(1 for x in t.turns if x.turn > 0)

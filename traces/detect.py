@@ -28,36 +28,28 @@ from typing import Callable
 from tangram.errors import InputError
 
 from .format import Trace, load_trace
-from .importing import ImportReport
+from .importing import ImportReport, open_text
 
 OURS = "tangram"
 FORMATS = ("mooncake", "azure", "burstgpt", "sharegpt")  # what tangram-trace import converts
 TRACE_FORMATS = ("auto", OURS) + FORMATS
-_HEAD_BYTES = 1 << 16
+_HEAD_BYTES = 1 << 16  # characters
 
 _NAMES = {"mooncake": "a Mooncake trace", "azure": "an Azure LLM inference trace", "burstgpt": "a BurstGPT trace",
           "sharegpt": "ShareGPT-style conversations", OURS: "a tangram trace"}
 
 
 def _head(path: str) -> str:
-    """The file's first bytes as text, gunzipped when it is gzip data (every reader accepts ``.gz``)."""
+    """The file's first characters (gunzipped when it is gzip data, as every reader accepts ``.gz``)."""
     import gzip
     import zlib
 
     try:
-        with open(path, "rb") as f:
-            magic = f.read(2)
-            f.seek(0)
-            if magic == b"\x1f\x8b":
-                with gzip.GzipFile(fileobj=f) as g:
-                    raw = g.read(_HEAD_BYTES)
-            else:
-                raw = f.read(_HEAD_BYTES)
+        with open_text(path) as f:
+            f.reconfigure(errors="replace")  # a bad byte is the reader's to report, at its line
+            return f.read(_HEAD_BYTES)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise InputError(path, None, None, f"corrupt gzip data: {e}") from None
-    except OSError as e:
-        raise InputError(path, None, None, f"cannot read trace: {e.strerror or e}") from None
-    return raw.decode("utf-8-sig", errors="replace")
 
 
 def _json_keys(line: str) -> set[str] | None:
