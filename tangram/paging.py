@@ -272,6 +272,19 @@ class PagePool:
                 x = x[(self.ref[x] == 0) & (self.pins[x] == 1)]
                 self._lone, self._n_lone = [x], x.size
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave out the views (``_isfree_blocks``, ``ref``, ``pins``): ``copy.deepcopy`` copies a
+        view as an array of its own, so a copied pool's bitmap and block view would drift apart."""
+        st = self.__dict__.copy()
+        for k in ("_isfree_blocks", "ref", "pins"):
+            st.pop(k, None)
+        return st
+
+    def __setstate__(self, st: dict) -> None:
+        self.__dict__.update(st)
+        self._isfree_blocks = self._isfree.reshape(-1, _BLOCK)
+        self.ref, self.pins = self._counts[:, 0], self._counts[:, 1]
+
     def _distinct(self, ids: np.ndarray, what: str) -> None:
         srt = np.sort(ids)
         if (srt[1:] == srt[:-1]).any():

@@ -104,6 +104,28 @@ def test_a_reservation_comes_from_the_emptiest_blocks():
     np.testing.assert_array_equal(ids2[2 * B:], np.arange(0, B, 2))
 
 
+def test_a_copied_pool_keeps_its_bitmap_and_counts_in_step():
+    """``copy.deepcopy`` (the fast-forward tests copy whole schedulers) and pickling copy a view as an array of its
+    own: a copied pool whose block view or ref/pins columns had drifted from its bitmap and counts crashed on a
+    large request after small ones (found by the fast-forward test of runs past an untried head)."""
+    import copy
+    import pickle
+
+    B = paging._BLOCK
+    for clone in (copy.deepcopy, lambda p: pickle.loads(pickle.dumps(p))):
+        pool = PagePool(3 * B + B // 2, 64, check=True)
+        small = [pool.alloc(7) for _ in range(40)]  # off the stack, refilled from whole blocks
+        for ids in small[::2]:
+            pool.release(ids)  # back on the stack
+        held = small[1::2]
+        c = clone(pool)
+        big = c.alloc(c.n_free - 3)  # more than the bitmap holds: the stack goes back to it first
+        _check(c, held + [big], [])
+        c.pin(big[:5])
+        _check(c, held + [big], [big[:5]])
+        _check(pool, held, [])  # the original is untouched
+
+
 def test_a_row_parked_in_two_parts_frees_its_private_pages_and_refuses_shared_ones():
     """A row parked with ``shared`` columns keeps the pages below them apart from its own; ``ids`` still lists every
     page table-major, unpark puts each back in its column, and the release frees the private part at once while a
