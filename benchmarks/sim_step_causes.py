@@ -1,5 +1,6 @@
 """Why a replay advances step by step: every scheduled single step of one ``tangram-sim`` run, by what it did
-(admitted a turn, ran prefill chunks, evicted) and by why the fast-forward planner declined to run ahead before it.
+(admitted a turn, ran prefill chunks, evicted) and by why the fast-forward planner declined to run ahead before it;
+and the runs it did commit, by length.
 
 A replay's time is ~1.3 ms of Python a event (a single step or a run of steps, docs/simulator.md), so the number
 of single steps bounds what fast-forwarding can still save. ``Scheduler.plan_run`` declines while the queue's head
@@ -45,18 +46,38 @@ def main(argv: list[str]) -> int:
         steps[f"{what} | after: {reason}"] += 1
         return p
 
+    runs: list[tuple[int, int, bool]] = []  # (steps planned, steps committed, carries a prefill chunk)
+
+    def commit_run_counted(self, run, j):
+        runs.append((run.k, j, bool(run.num_prefill.any())))
+        return commit_run(self, run, j)
+
+    commit_run = S.Scheduler.commit_run
     S.Scheduler.plan_run, S.Scheduler.schedule = plan_run_counted, schedule_counted
+    S.Scheduler.commit_run = commit_run_counted
     try:
         sim_main(argv)
     except SystemExit as e:
         if e.code:
             return int(e.code)
     finally:
-        S.Scheduler.plan_run, S.Scheduler.schedule = plan_run, schedule
+        S.Scheduler.plan_run, S.Scheduler.schedule, S.Scheduler.commit_run = plan_run, schedule, commit_run
     for k, v in sorted(steps.items(), key=lambda kv: -kv[1]):
         print(f"{v:8d}  {k}", file=sys.stderr)
-    print(json.dumps({"single_steps": sum(steps.values()), "plan_run": dict(declined), "steps": dict(steps)}))
+    print(json.dumps({"single_steps": sum(steps.values()), "plan_run": dict(declined), "steps": dict(steps),
+                      "runs": run_lengths(runs)}))
     return 0
+
+
+def run_lengths(runs: list[tuple[int, int, bool]]) -> dict:
+    """The committed runs by length (steps committed): how many, how many carry a chunk, the steps they cover."""
+    bins = [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 64), (65, None)]
+    out = {"runs": len(runs), "steps": sum(j for _, j, _ in runs), "cut_short": sum(1 for k, j, _ in runs if j < k)}
+    for lo, hi in bins:
+        sel = [(j, c) for _, j, c in runs if j >= lo and (hi is None or j <= hi)]
+        out[str(lo) if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"] = {"runs": len(sel), "with_chunks": sum(c for _, c in sel),
+                                                      "steps": sum(j for j, _ in sel)}
+    return out
 
 
 if __name__ == "__main__":
