@@ -15,6 +15,7 @@ from tangram.errors import ConfigError, InputError
 from tangram.traces import (BANDS, Trace, Turn, default_trace_path, generate, load_trace, long_multiturn_trace_path,
                             save_trace)
 from tangram.traces.cli import main
+from tangram.traces.format import FIELDS
 from tangram.traces.generate import Dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,6 +252,73 @@ def test_fuzzed_files_load_or_fail_cleanly(tmp_path, lines):
         assert e.line is None or 1 <= e.line <= len(lines)
     else:
         t.validate()
+
+
+_edge = st.one_of(_values, st.sampled_from([0, 1, -1, 0.0, -0.0, 2.5, 2**53, 2**53 + 1, 10**30, "", "s", True,
+                                             [], [["a", 1]], [["a", 0]], [["", 1]], [["a", True]], [["a", 1.0]],
+                                             [["a", 1, 2]], ["a", 1], [["a", 2**60]]]))
+
+
+@st.composite
+def _records(draw):
+    """A valid record (turn 0 or later), then up to three fields set to edge values, dropped or added."""
+    turn = draw(st.sampled_from([0, 0, 1, 3]))
+    obj = {"session_id": draw(st.sampled_from(["s", "a b"])), "turn": turn, "new_tokens": draw(st.integers(1, 9)),
+           "output_tokens": draw(st.integers(1, 9))}
+    if turn == 0:
+        obj["arrival_s"] = draw(st.sampled_from([0, 1.5, 7]))
+    elif draw(st.booleans()):
+        obj["think_time_s"] = draw(st.sampled_from([0, 0.25, 3]))
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.sampled_from(list(FIELDS) + ["x_meta", "x_", "bogus", "Turn"]))
+        if draw(st.integers(0, 3)) == 0:
+            obj.pop(key, None)
+        else:
+            obj[key] = draw(_edge)
+    return obj
+
+
+@HSET
+@given(_records(), st.integers(1, 10**6))
+def test_fast_record_reading_agrees_with_the_checked_one(obj, line):
+    """The fast path of a record (exact types only) accepts only what the checked path accepts, as the same turn
+    (line, metadata and prefix included); anything it declines goes to the checked path, which names the
+    problem."""
+    from tangram.traces.format import _fast_record, _parse_checked
+
+    fast = _fast_record(line, obj)
+    try:
+        ref = _parse_checked("f.jsonl", line, obj)
+    except InputError:
+        assert fast is None, obj
+        return
+    except (OverflowError, ValueError):  # the checked path's own limits (huge integers): the fast one declines
+        assert fast is None, obj
+        return
+    if fast is not None:
+        assert fast == ref and (fast.line, fast.meta, fast.prefix) == (ref.line, ref.meta, ref.prefix), obj
+        assert [type(getattr(fast, f)) for f in ("arrival_s", "think_time_s")] == \
+            [type(getattr(ref, f)) for f in ("arrival_s", "think_time_s")]
+
+
+@HSET
+@given(st.one_of(_line, st.text(alphabet=' \t\r\x0b\x0c\u00a0\ufeff{}[]":,0123456789.eE+-naNItrufls', max_size=14),
+                 st.builds(lambda a, b, c: a + b + c, st.sampled_from(["", " ", "\t", "\x0b", "\u00a0", "\r"]), _line,
+                           st.sampled_from(["", " ", "\r", "\x0c", "\u2003", " x", "}"]))))
+def test_fast_line_decoding_agrees_with_json_loads(text):
+    """A line is read by one shared decoder when it is exactly one JSON value between JSON whitespace; whatever
+    ``json.loads`` (with the loader's hooks) would reject or read otherwise goes to it."""
+    import json
+
+    from tangram.traces.format import _DECLINED, _decode_fast, _finite_float, _NonFinite, _reject_constant
+
+    fast = _decode_fast(text)
+    try:
+        ref = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (json.JSONDecodeError, _NonFinite, RecursionError):
+        assert fast is _DECLINED
+        return
+    assert fast is _DECLINED or (fast == ref and json.dumps(fast) == json.dumps(ref))
 
 
 def test_save_refuses_invalid_trace(tmp_path):

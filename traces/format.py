@@ -26,7 +26,7 @@ REQUIRED = ("session_id", "turn", "new_tokens", "output_tokens")
 META_PREFIX = "x_"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a public trace holds millions of turns (~0.6 KB each less)
 class Turn:
     """One request of a session: append ``new_tokens`` to the history, then decode ``output_tokens``.
 
@@ -137,7 +137,7 @@ class Trace:
 
     def validate(self) -> None:
         """Re-check an in-memory trace against the file format (what ``save_trace`` would write)."""
-        _validate_records(((i + 1, t.to_dict()) for i, t in enumerate(self.turns)), self.source)
+        _validate_records(((i + 1, t.to_dict()) for i, t in enumerate(self.turns)), self.source, keep=False)
 
     def to_frame(self):
         """One row per turn with the session's history before/after it (``context_*`` in tokens).
@@ -149,7 +149,8 @@ class Trace:
 
         cols = ["request_id", "session_id", "turn", "arrival_s", "think_time_s", "new_tokens", "output_tokens",
                 "shared_context_tokens", "prefix_tokens"]
-        df = pd.DataFrame([[getattr(t, c) for c in cols] for t in self.turns], columns=cols)
+        ts = self.turns  # column by column: a DataFrame from a list of rows infers every row (millions of turns)
+        df = pd.DataFrame({c: [getattr(t, c) for t in ts] for c in cols}, columns=cols)
         df["arrival_s"] = df["arrival_s"].astype(float)
         grown = df["new_tokens"] + df["output_tokens"]
         df["context_after"] = grown.groupby(df["session_id"], sort=False).cumsum()
@@ -213,7 +214,76 @@ class _Checker:
         return v
 
 
+_FIELD_SET = frozenset(FIELDS)
+_NUM = (int, float)
+_EXACT_INT = 1 << 53  # larger integers go the checked way (a float of them may round, or overflow)
+
+
+def _fast_record(line: int, obj: Any) -> Turn | None:
+    """The turn of a well-formed record, or None for anything :func:`_parse_record` must look at (which then
+    accepts it the same way or names what is wrong). Only exact types pass here (``type(v) is int`` also keeps
+    booleans out), so every record accepted here is one the checked path accepts, as the same turn; a trace of
+    millions of records (BurstGPT, Azure 2024) is read ~4x faster."""
+    if type(obj) is not dict:
+        return None
+    g = obj.get
+    sid, turn, new, out = g("session_id"), g("turn"), g("new_tokens"), g("output_tokens")
+    if not (type(sid) is str and sid and type(turn) is int and 0 <= turn < _EXACT_INT and type(new) is int
+            and 1 <= new < _EXACT_INT and type(out) is int and 1 <= out < _EXACT_INT):
+        return None
+    if turn == 0:
+        a = g("arrival_s")
+        if type(a) not in _NUM or not 0 <= a < _EXACT_INT or a != a:  # (json floats are finite: parse_float)
+            return None
+        th = g("think_time_s", 0.0)
+        if type(th) not in _NUM or th != 0:
+            return None
+        arrival, think = float(a), 0.0
+    else:
+        if "arrival_s" in obj:
+            return None
+        th = g("think_time_s", 0.0)
+        if type(th) not in _NUM or not 0 <= th < _EXACT_INT:
+            return None
+        arrival, think = None, float(th)
+    shared = g("shared_context_tokens", 0)
+    if type(shared) is not int or shared < 0 or shared > new or (shared and turn):
+        return None
+    pv = g("prefix")
+    prefix: tuple = ()
+    if pv is not None:
+        if type(pv) is not list:
+            return None
+        for seg in pv:
+            if not (type(seg) is list and len(seg) == 2 and type(seg[0]) is str and seg[0] and type(seg[1]) is int
+                    and 1 <= seg[1] < _EXACT_INT):
+                return None
+        prefix = tuple((a, n) for a, n in pv)
+    text = g("text")
+    if text is not None and type(text) is not str:
+        return None
+    rid = g("request_id")
+    if rid is None:
+        rid = default_request_id(sid, turn)
+    elif type(rid) is not str or not rid:
+        return None
+    meta = {}
+    extra = obj.keys() - _FIELD_SET
+    if extra:
+        for k in extra:
+            if not k.startswith(META_PREFIX):
+                return None  # an unknown field: the checked path names it
+        meta = {k: v for k, v in obj.items() if k in extra}
+    return Turn(rid, sid, turn, arrival, think, new, out, shared, text, line, meta, prefix)
+
+
 def _parse_record(path: str, line: int, obj: Any) -> Turn:
+    t = _fast_record(line, obj)
+    return t if t is not None else _parse_checked(path, line, obj)
+
+
+def _parse_checked(path: str, line: int, obj: Any) -> Turn:
+    """Every field checked in turn; the first problem is an InputError naming file, line and field."""
     if not isinstance(obj, dict):
         raise InputError(path, line, None, f"expected a JSON object (one turn per line), got {_type_name(obj)}")
     c = _Checker(path, line, obj)
@@ -281,9 +351,11 @@ def _parse_prefix(c: _Checker, v: Any) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _validate_records(records: Iterable[tuple[int, Any]], path: str) -> list[Turn]:
-    """Parse (line, object) pairs into turns, checking per-session turn order and id uniqueness."""
+def _validate_records(records: Iterable[tuple[int, Any]], path: str, keep: bool = True) -> list[Turn]:
+    """Parse (line, object) pairs into turns, checking per-session turn order and id uniqueness (``keep``: return
+    the turns; else only check, and return [])."""
     turns: list[Turn] = []
+    n = 0
     session_lines: dict[str, list[int]] = {}  # session -> line of each turn seen so far
     history: dict[str, int] = {}  # session -> tokens of its finished turns (new + output)
     rid_line: dict[str, int] = {}
@@ -312,8 +384,10 @@ def _validate_records(records: Iterable[tuple[int, Any]], path: str) -> list[Tur
         history[t.session_id] = hist + t.new_tokens + t.output_tokens
         seen.append(line)
         rid_line[t.request_id] = line
-        turns.append(t)
-    if not turns:
+        n += 1
+        if keep:
+            turns.append(t)
+    if not n:
         raise InputError(path, None, None, "empty trace: no turns (expected one JSON object per line)")
     return turns
 
@@ -355,6 +429,21 @@ def _finite_float(text: str) -> float:
     return v
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+_DECLINED = object()
+
+
+def _decode_fast(text: str) -> Any:
+    """The line's object when it is one JSON value between JSON whitespace (what ``json.loads`` accepts), by one
+    shared decoder; ``_DECLINED`` for anything else, which ``json.loads`` then reads or rejects with its message."""
+    t = text.strip(" \t\n\r")
+    try:
+        obj, end = _DECODER.raw_decode(t)
+    except (ValueError, RecursionError):  # (JSONDecodeError and _NonFinite are ValueErrors)
+        return _DECLINED
+    return obj if end == len(t) else _DECLINED
+
+
 def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """(line number, decoded object) for every non-blank line; bad UTF-8 or JSON is an InputError.
 
@@ -369,6 +458,10 @@ def iter_json_lines(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
             text = raw.decode("utf-8-sig" if i == 1 else "utf-8")  # tolerate an editor's BOM
         except UnicodeDecodeError as e:
             raise InputError(p, i, None, f"not UTF-8 text (byte {e.start + 1})") from None
+        obj = _decode_fast(text)
+        if obj is not _DECLINED:
+            yield i, obj
+            continue
         try:
             obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except json.JSONDecodeError as e:
@@ -387,7 +480,11 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
 
 def dumps_turn(t: Turn) -> str:
-    return json.dumps(t.to_dict(), ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+    return _dumps(t.to_dict())
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": "), allow_nan=False)
+_dumps = _ENCODER.encode  # json.dumps with these arguments, without building an encoder per record
 
 
 def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
@@ -410,6 +507,13 @@ def _atomic_write(path: str | os.PathLike, data: bytes) -> None:
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     """Validate, then write atomically (a crash never leaves a half-written trace behind)."""
     p = Path(path)
-    records = [t.to_dict() for t in trace.turns]
-    _validate_records(((i + 1, r) for i, r in enumerate(records)), str(p))
-    _atomic_write(p, "".join(dumps_turn(t) + "\n" for t in trace.turns).encode("utf-8"))
+    lines: list[str] = []
+
+    def records():  # each record is written out once the check has passed it; only the lines are kept
+        for i, t in enumerate(trace.turns):
+            r = t.to_dict()
+            yield i + 1, r
+            lines.append(_dumps(r))
+
+    _validate_records(records(), str(p), keep=False)
+    _atomic_write(p, "".join(x + "\n" for x in lines).encode("utf-8"))
