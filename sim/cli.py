@@ -163,7 +163,8 @@ def run(args) -> dict:
               "gpu": spec.gpu.name, "seed": spec.seed,
               "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
-              "slo": slo, "target_rate": spec.target_rate}
+              "slo": slo, "target_rate": spec.target_rate, "trace_window": spec.trace_window,
+              "rate_scale": spec.rate_scale}
     common["accuracy"] = accuracy_label
     common["trace_warnings"] = trace_warnings
     for mode, m in metrics.items():

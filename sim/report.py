@@ -23,6 +23,10 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
         f" ({fmt} format as published, imported with `tangram-trace import {fmt}`'s defaults)"
     lines += [f"- trace: `{common['trace']}`{how}", f"- model: {common['model']}, GPU: {common['gpu']}, "
               f"router: {common['router']}, seed: {common['seed']}", f"- budget profile: {common['profile']}"]
+    if common.get("trace_window"):
+        lines.append(f"- trace window: `{common['trace_window']}` (the sessions arriving in it, from 0 s)")
+    if common.get("rate_scale") is not None:
+        lines.append(f"- arrival rate scaled x{common['rate_scale']:g}")
     lines += [f"- **trace warning**: {w}" for w in common.get("trace_warnings") or ()]
     if common.get("offered_rps"):
         lines.append(f"- offered load of the trace: {common['offered_rps']:.4g} requests/s")

@@ -67,6 +67,13 @@ def _slo(v: str) -> str:
     return v
 
 
+def _window(v: str) -> str:
+    from tangram.traces.format import parse_window
+
+    parse_window(v)  # checked here, kept as text (reports quote it)
+    return v
+
+
 def _positive(name: str, v):
     if v is not None and not v > 0:
         raise ConfigError(f"{name} must be > 0, got {v}")
@@ -108,6 +115,10 @@ class DeploymentSpec:
     trace_format: str = option("auto", group="trace", choices=TRACE_FORMATS)
     """format of the trace file: detected (auto), ours, or a public format read through tangram-trace import's
     importer with its defaults (a note on stderr says so)"""
+    trace_window: str | None = option(None, group="trace", parse=_window, metavar="START:DURATION")
+    """replay only the sessions whose first turn arrives in this window of the trace's time, e.g. 86400:3600 or
+    1d:1h (units s, m, h, d), arrivals shifted to start at 0 (applied before --rate-scale): a slice of a long
+    public trace at its own rate"""
     rate_scale: float | None = option(None, group="trace")
     """multiply the trace's session arrival rate"""
     modes: tuple | None = option(None, group="deployment", flag="--mode", keys=("mode",), input=(str, list),
@@ -170,10 +181,14 @@ class DeploymentSpec:
         return self.trace or str(default_trace_path())
 
     def load_trace(self):
-        """The trace, read and validated, its session arrivals scaled by ``rate_scale``."""
+        """The trace, read and validated, cut to ``trace_window`` and its session arrivals scaled by
+        ``rate_scale``."""
         from tangram.traces.detect import read_trace
+        from tangram.traces.format import parse_window
 
         trace = read_trace(self.trace_path, self.trace_format)
+        if self.trace_window:
+            trace = trace.window(*parse_window(self.trace_window))
         return trace.scaled(float(self.rate_scale)) if self.rate_scale is not None else trace
 
     def slo_targets(self, default: str | None = None) -> dict | None:

@@ -384,3 +384,52 @@ def test_simulator_warns_about_the_trace_it_reads(tmp_path, capsys):
     assert f"warning: {p}: arrival span is 0 s" in err and "longer than the 8,192-token context window" in err
     warns = json.loads((tmp_path / "o" / "metrics.json").read_text())["full"]["run"]["trace_warnings"]
     assert len(warns) == 3 and all(w in (tmp_path / "o" / "report.md").read_text() for w in warns)
+
+
+def test_trace_window_keeps_the_sessions_arriving_in_it():
+    """Trace.window: sessions by their turn 0's arrival in [start, start + duration), all their turns kept (later
+    turns follow think times, not the clock), arrivals shifted by -start; the spelling START:DURATION with units."""
+    from tangram.errors import ConfigError
+    from tangram.traces import Trace, Turn
+    from tangram.traces.format import parse_window
+
+    turns = [Turn("a:0", "a", 0, 10.0, 0.0, 5, 5), Turn("b:0", "b", 0, 3600.0, 0.0, 5, 5),
+             Turn("a:1", "a", 1, None, 4.0, 5, 5), Turn("c:0", "c", 0, 7199.5, 0.0, 5, 5),
+             Turn("c:1", "c", 1, None, 9000.0, 5, 5), Turn("d:0", "d", 0, 7200.0, 0.0, 5, 5)]
+    tr = Trace(turns, "t.jsonl")
+    w = tr.window(3600, 3600)
+    assert [(t.session_id, t.turn, t.arrival_s) for t in w.turns] == [("b", 0, 0.0), ("c", 0, 3599.5), ("c", 1, None)]
+    assert w.turns[2].think_time_s == 9000.0 and "window 3600 s + 3600 s" in w.source
+    w.validate()
+    assert parse_window("1h:1h") == parse_window("3600:3600") == (3600.0, 3600.0)
+    assert parse_window("1.5d:30m") == (129600.0, 1800.0) and parse_window(" 0 : 2s ") == (0.0, 2.0)
+    for bad, frag in [("3600", "expected START:DURATION"), ("a:1h", "start 'a' is not a number"),
+                      ("1h:0", "duration > 0"), ("-5:10", "start must be >= 0"), ("1:2:3", "START:DURATION"),
+                      ("1h:infs", "finite")]:
+        with pytest.raises(ConfigError, match=frag):
+            parse_window(bad)
+    with pytest.raises(ConfigError, match=r"no session arrives in it \(sessions arrive from 10 s to 7200 s\)"):
+        tr.window(8000, 10)
+    with pytest.raises(ConfigError, match="duration"):
+        tr.window(0, 0)
+
+
+def test_simulator_replays_a_window_of_a_public_trace(tmp_path, capsys):
+    """tangram-sim --trace-window on a BurstGPT file as published: the hour's requests only, at their own rate;
+    report.md and metrics.json say which window (and a bad window is an error naming the option)."""
+    from tangram.sim.cli import main as sim_main
+
+    p = tmp_path / "burst.csv"
+    rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
+    rows += [f"{t},ChatGPT,{100 + t % 50},{10 + t % 7},{110 + t % 50 + t % 7},Conversation log"
+             for t in range(0, 3 * 3600, 600)]  # every 10 minutes for 3 hours: 6 an hour
+    p.write_text("\n".join(rows) + "\n")
+    with pytest.raises(SystemExit) as e:
+        sim_main([str(p), "--trace-window", "1h:1h", "--mode", "full", "--no-plots", "--out", str(tmp_path / "o")])
+    assert e.value.code == 0
+    m = json.loads((tmp_path / "o" / "metrics.json").read_text())["full"]
+    assert m["completed"] == 6 and m["run"]["trace_window"] == "1h:1h"
+    assert "trace window: `1h:1h`" in (tmp_path / "o" / "report.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        sim_main([str(p), "--trace-window", "1h", "--mode", "full", "--no-plots", "--out", str(tmp_path / "o2")])
+    assert e.value.code != 0 and "expected START:DURATION" in capsys.readouterr().err

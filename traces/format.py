@@ -78,6 +78,34 @@ class Turn:
         return d
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``START:DURATION`` -> seconds (start, duration); each a number with an optional unit s, m, h or d
+    (``86400:3600`` = ``1d:1h``). A ConfigError says what was expected."""
+    def secs(part: str, what: str) -> float:
+        p = part.strip().lower()
+        unit = _UNITS.get(p[-1:], None)
+        num = p[:-1] if unit is not None else p
+        try:
+            v = float(num) * (unit or 1.0)
+        except ValueError:
+            raise ConfigError(f"trace window {text!r}: {what} {part.strip()!r} is not a number of seconds "
+                              f"(units s, m, h, d)") from None
+        if not math.isfinite(v):
+            raise ConfigError(f"trace window {text!r}: {what} must be finite")
+        return v
+
+    parts = str(text).split(":")
+    if len(parts) != 2:
+        raise ConfigError(f"trace window {text!r}: expected START:DURATION (e.g. 86400:3600 or 1d:1h)")
+    start, dur = secs(parts[0], "start"), secs(parts[1], "duration")
+    if start < 0 or dur <= 0:
+        raise ConfigError(f"trace window {text!r}: start must be >= 0 and duration > 0")
+    return start, dur
+
+
 def default_request_id(session_id: str, turn: int) -> str:
     return f"{session_id}:{turn}"
 
@@ -134,6 +162,27 @@ class Trace:
         keep = {t.session_id for t in self.first_turns()[:n_sessions]}
         return Trace([t for t in self.turns if t.session_id in keep], f"{self.source} (first {n_sessions} sessions)",
                      self.source_format)
+
+    def window(self, start_s: float, duration_s: float) -> "Trace":
+        """The sessions whose turn 0 arrives in ``[start_s, start_s + duration_s)`` of the trace's time (all their
+        turns, file order kept), arrivals shifted by ``-start_s``: a slice of a long public trace (BurstGPT spans
+        months, Azure's 2024 traces a week) replayed at its own rate. An empty slice is a ConfigError that gives
+        the trace's arrival span."""
+        for name, v in (("start", start_s), ("duration", duration_s)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ConfigError(f"trace window: {name} must be a finite number of seconds, got {v!r}")
+        if start_s < 0 or duration_s <= 0:
+            raise ConfigError(f"trace window: start must be >= 0 and duration > 0 seconds, got {start_s:g} and "
+                              f"{duration_s:g}")
+        end = start_s + duration_s
+        keep = {t.session_id for t in self.turns if t.turn == 0 and start_s <= t.arrival_s < end}
+        if not keep:
+            arr = [t.arrival_s for t in self.turns if t.turn == 0]
+            raise ConfigError(f"trace window [{start_s:g} s, {end:g} s) of {self.source}: no session arrives in it "
+                              f"(sessions arrive from {min(arr):g} s to {max(arr):g} s)")
+        turns = [(replace(t, arrival_s=t.arrival_s - start_s) if t.turn == 0 else t) for t in self.turns
+                 if t.session_id in keep]
+        return Trace(turns, f"{self.source} (window {start_s:g} s + {duration_s:g} s)", self.source_format)
 
     def validate(self) -> None:
         """Re-check an in-memory trace against the file format (what ``save_trace`` would write)."""
