@@ -271,8 +271,9 @@ _EXACT_INT = 1 << 53  # larger integers go the checked way (a float of them may 
 def _fast_record(line: int, obj: Any) -> Turn | None:
     """The turn of a well-formed record, or None for anything :func:`_parse_record` must look at (which then
     accepts it the same way or names what is wrong). Only exact types pass here (``type(v) is int`` also keeps
-    booleans out), so every record accepted here is one the checked path accepts, as the same turn; a trace of
-    millions of records (BurstGPT, Azure 2024) is read ~4x faster."""
+    booleans out), so every record accepted here is one the checked path accepts, as the same turn. The checked
+    path's per-field calls were most of the time of reading an imported public trace of millions of records
+    (benchmarks/trace_io.py)."""
     if type(obj) is not dict:
         return None
     g = obj.get
