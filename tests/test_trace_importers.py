@@ -433,3 +433,30 @@ def test_simulator_replays_a_window_of_a_public_trace(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sim_main([str(p), "--trace-window", "1h", "--mode", "full", "--no-plots", "--out", str(tmp_path / "o2")])
     assert e.value.code != 0 and "expected START:DURATION" in capsys.readouterr().err
+
+
+def test_trace_tools_take_a_window(tmp_path, capsys):
+    """tangram-trace import / stats / check --window: the slice of a public file, saved or summarised, with a note
+    of what it kept; an empty window is an error giving the trace's arrival span."""
+    from tangram.traces import load_trace
+    from tangram.traces.cli import main
+
+    def run(argv) -> int:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        return e.value.code
+
+    p = tmp_path / "az.csv"
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    rows += [f"2023-11-16 {h:02d}:{m:02d}:00.0000000,{100 + m},{5 + h}" for h in range(3) for m in range(0, 60, 15)]
+    p.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "hour1.jsonl"
+    assert run(["import", "azure", str(p), "-o", str(out), "--window", "1h:1h"]) == 0
+    t = load_trace(out)
+    assert [x.arrival_s for x in t.turns] == [0.0, 900.0, 1800.0, 2700.0] and {x.output_tokens for x in t.turns} == {6}
+    assert "window 1h:1h: 4 of 12 sessions" in capsys.readouterr().err
+    assert run(["stats", str(p), "--window", "30m:1h", "--json"]) == 0
+    io = capsys.readouterr()
+    assert json.loads(io.out.strip().splitlines()[-1])["sessions"] == 4 and "4 of 12 sessions" in io.err
+    assert run(["check", str(out), "--window", "2h:1h"]) != 0 and "no session arrives in it (sessions arrive from 0 s to 2700 s)" in \
+        capsys.readouterr().err

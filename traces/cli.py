@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file")
     _format_arg(c)
     _limit_args(c)
+    _window_arg(c)
 
     g = sub.add_parser("gen", help="generate a seeded synthetic SCBench-like trace")
     g.add_argument("--sessions", type=_positive_int, required=True)
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         x.add_argument("input")
         x.add_argument("-o", "--output", required=True)
         _limit_args(x)
+        _window_arg(x)
         if f != "sharegpt":
             x.add_argument("--zero", choices=ZERO_POLICIES, default="skip",
                            help="rows with 0 prompt or output tokens: skip (counted), clamp to 1, or error")
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     _format_arg(s)
     _limit_args(s)
+    _window_arg(s)
     return p
 
 
@@ -155,6 +158,23 @@ def _format_arg(p) -> None:
     p.add_argument("--format", choices=TRACE_FORMATS, default="auto",
                    help="the file's format (default: detected; a public format is imported with tangram-trace "
                         "import's defaults, which a note says)")
+
+
+def _window_arg(p) -> None:
+    p.add_argument("--window", metavar="START:DURATION",
+                   help="only the sessions whose first turn arrives in this window of the trace's time (e.g. 1d:1h; "
+                        "units s, m, h, d), shifted to start at 0 (docs/traces.md, 'A slice of a long trace')")
+
+
+def _windowed(t: Trace, a) -> Trace:
+    if not getattr(a, "window", None):
+        return t
+    from .format import parse_window
+
+    w = t.window(*parse_window(a.window))
+    print(f"note: window {a.window}: {w.num_sessions} of {t.num_sessions} sessions, {len(w)} of {len(t)} turns",
+          file=sys.stderr)
+    return w
 
 
 def _limit_args(p) -> None:
@@ -178,7 +198,7 @@ def _warn(trace: Trace, a, df=None) -> None:
 
 
 def _cmd_check(a) -> int:
-    t = read_trace(a.file, a.format)
+    t = _windowed(read_trace(a.file, a.format), a)
     d = t.to_frame()
     limit = _max_context(a)
     print(f"{a.file}: OK: {len(t)} turns in {t.num_sessions} sessions, "
@@ -237,7 +257,7 @@ def _cmd_import(a) -> int:
     else:
         opts = dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text, limit=a.limit,
                     progress=sys.stderr.isatty())
-    t = import_trace(a.format, a.input, report=rep, **opts)
+    t = _windowed(import_trace(a.format, a.input, report=rep, **opts), a)
     save_trace(t, a.output)
     cont = sum(1 for x in t.turns if x.turn > 0)
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions ({cont} continuations)")
@@ -254,7 +274,7 @@ def _cmd_import(a) -> int:
 def _cmd_stats(a) -> int:
     import pandas as pd
 
-    s = summary(read_trace(a.file, a.format), _max_context(a))
+    s = summary(_windowed(read_trace(a.file, a.format), a), _max_context(a))
     for w in s["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     if a.json:
