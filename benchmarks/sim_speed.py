@@ -49,18 +49,23 @@ def make_burstgpt_trace(path: Path, n_requests: int = 3000, seed: int = 0) -> Pa
         return path
     from tangram.traces import import_burstgpt, save_trace
 
+    csv = write_burstgpt_csv(path.with_suffix(".csv"), n_requests, seed)
+    save_trace(import_burstgpt(csv), path)
+    return path
+
+
+def write_burstgpt_csv(csv: Path, n_requests: int, seed: int = 0) -> Path:
+    """The raw CSV of :func:`make_burstgpt_trace` (also benchmarks/trace_io.py's, at ~1.4M rows)."""
     rng = np.random.default_rng(seed)
     ts = 5 + np.cumsum(rng.integers(0, 4, n_requests))
     req = rng.integers(1, 4001, n_requests)
     resp = np.where(rng.random(n_requests) < 0.1, 0, rng.integers(1, 801, n_requests))
     model = rng.choice(["ChatGPT", "GPT-4"], n_requests)
     kind = rng.choice(["Conversation log", "API log"], n_requests)
-    csv = path.with_suffix(".csv")
     rows = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
     rows += [f"{t},{m},{q},{r},{q + r},{k}" for t, m, q, r, k in zip(ts, model, req, resp, kind)]
     csv.write_text("\n".join(rows) + "\n")
-    save_trace(import_burstgpt(csv), path)
-    return path
+    return csv
 
 
 def run_cli(python: str, args: list[str], *, cwd: str | None = None, timeout: float | None = None) -> dict:

@@ -75,8 +75,8 @@ def run_lengths(runs: list[tuple[int, int, bool]]) -> dict:
     out = {"runs": len(runs), "steps": sum(j for _, j, _ in runs), "cut_short": sum(1 for k, j, _ in runs if j < k)}
     for lo, hi in bins:
         sel = [(j, c) for _, j, c in runs if j >= lo and (hi is None or j <= hi)]
-        out[str(lo) if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"] = {"runs": len(sel), "with_chunks": sum(c for _, c in sel),
-                                                      "steps": sum(j for j, _ in sel)}
+        label = str(lo) if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}"
+        out[label] = {"runs": len(sel), "with_chunks": sum(c for _, c in sel), "steps": sum(j for j, _ in sel)}
     return out
 
 

@@ -5,7 +5,8 @@ BurstGPT spans months and Azure's 2024 traces a week: users import the whole fil
 these phases run on millions of records while a replay never does. Every phase is this process's CPU time; run
 it under two checkouts' pythons alternately to compare them (reports/traces/README.md has the loop).
 
-Run: ``python benchmarks/trace_io.py --rows 1430000 --work DIR`` (the CSV is generated once, seeded, in DIR).
+Run: ``python benchmarks/trace_io.py --rows 1430000 --work DIR`` (the CSV is generated once, seeded, in DIR, by
+sim_speed.py's BurstGPT-format generator).
 Last line: one JSON object.
 """
 from __future__ import annotations
@@ -13,26 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 from pathlib import Path
 
-import numpy as np
-
-
-def burstgpt_csv(path: Path, n: int, seed: int = 0) -> Path:
-    """BurstGPT's published columns, one row a second or two apart, 10% of responses empty (failed requests)."""
-    if path.exists():
-        return path
-    rng = np.random.default_rng(seed)
-    ts = np.cumsum(rng.integers(0, 3, n))
-    req = rng.integers(1, 4001, n)
-    resp = np.where(rng.random(n) < 0.1, 0, rng.integers(1, 801, n))
-    model = np.where(rng.random(n) < 0.5, "ChatGPT", "GPT-4")
-    kind = np.where(rng.random(n) < 0.5, "Conversation log", "API log")
-    with open(path, "w") as f:
-        f.write("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n")
-        for t, m, q, r, k in zip(ts.tolist(), model.tolist(), req.tolist(), resp.tolist(), kind.tolist()):
-            f.write(f"{t},{m},{q},{r},{q + r},{k}\n")
-    return path
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_speed import write_burstgpt_csv  # noqa: E402  (the low-load trace's generator, at this size)
 
 
 def _cpu() -> float:
@@ -51,7 +37,9 @@ def main(argv=None) -> int:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    csv = burstgpt_csv(work / f"burstgpt_{a.rows}.csv", a.rows)
+    csv = work / f"burstgpt_{a.rows}.csv"
+    if not csv.exists():
+        write_burstgpt_csv(csv, a.rows)
     out = work / "imported.jsonl"
     cpu: dict[str, float] = {}
     t = _cpu()

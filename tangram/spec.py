@@ -184,11 +184,8 @@ class DeploymentSpec:
         """The trace, read and validated, cut to ``trace_window`` and its session arrivals scaled by
         ``rate_scale``."""
         from tangram.traces.detect import read_trace
-        from tangram.traces.format import parse_window
 
-        trace = read_trace(self.trace_path, self.trace_format)
-        if self.trace_window:
-            trace = trace.window(*parse_window(self.trace_window))
+        trace = read_trace(self.trace_path, self.trace_format).windowed(self.trace_window)
         return trace.scaled(float(self.rate_scale)) if self.rate_scale is not None else trace
 
     def slo_targets(self, default: str | None = None) -> dict | None:

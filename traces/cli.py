@@ -169,9 +169,7 @@ def _window_arg(p) -> None:
 def _windowed(t: Trace, a) -> Trace:
     if not getattr(a, "window", None):
         return t
-    from .format import parse_window
-
-    w = t.window(*parse_window(a.window))
+    w = t.windowed(a.window)
     print(f"note: window {a.window}: {w.num_sessions} of {t.num_sessions} sessions, {len(w)} of {len(t)} turns",
           file=sys.stderr)
     return w

@@ -184,6 +184,10 @@ class Trace:
                  if t.session_id in keep]
         return Trace(turns, f"{self.source} (window {start_s:g} s + {duration_s:g} s)", self.source_format)
 
+    def windowed(self, text: str | None) -> "Trace":
+        """:meth:`window` of a ``START:DURATION`` text (:func:`parse_window`); the trace itself when None."""
+        return self if not text else self.window(*parse_window(text))
+
     def validate(self) -> None:
         """Re-check an in-memory trace against the file format (what ``save_trace`` would write)."""
         _validate_records(((i + 1, t.to_dict()) for i, t in enumerate(self.turns)), self.source, keep=False)
@@ -283,7 +287,7 @@ def _fast_record(line: int, obj: Any) -> Turn | None:
         return None
     if turn == 0:
         a = g("arrival_s")
-        if type(a) not in _NUM or not 0 <= a < _EXACT_INT or a != a:  # (json floats are finite: parse_float)
+        if type(a) not in _NUM or not 0 <= a < _EXACT_INT:  # (NaN and inf fail the range, go the checked way)
             return None
         th = g("think_time_s", 0.0)
         if type(th) not in _NUM or th != 0:
@@ -566,4 +570,4 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
             lines.append(_dumps(r))
 
     _validate_records(records(), str(p), keep=False)
-    _atomic_write(p, "".join(x + "\n" for x in lines).encode("utf-8"))
+    _atomic_write(p, ("\n".join(lines) + "\n").encode("utf-8"))  # (never empty: the check refuses that)
