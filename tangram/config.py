@@ -284,6 +284,8 @@ class EngineConfig:
 
     def decode_graphed(self, num_decode, num_prefill):
         """Whether a step with these rows replays a decode graph (vectorised over arrays of steps)."""
+        if type(num_decode) is int and type(num_prefill) is int:  # one step: no numpy (priced ~30K times a replay)
+            return num_prefill == 0 and 0 < num_decode <= self.graph_max_batch
         kd, kp = np.asarray(num_decode), np.asarray(num_prefill)
         return (kp == 0) & (kd > 0) & (kd <= self.graph_max_batch)
 

@@ -663,7 +663,8 @@ class BlockTable:
             pages[:r0, :, c0:] = -1
             pages[r0:] = -1
         else:  # only the columns below nids are ever read: the rest stays unwritten (never paged in), not -1
-            pages[:r0, :, :c0] = self.pages
+            w = int(self.nids.max(initial=0))  # (copying the whole old table touched every page of it)
+            pages[:r0, :, :w] = self.pages[:, :, :w]
         npages = np.zeros((rows, T), dtype=np.int64)
         npages[:r0] = self.npages
         lens = np.zeros((rows, T), dtype=np.int64)
@@ -685,6 +686,15 @@ class BlockTable:
             self.materialise(row, hi)
         lo = np.broadcast_to(np.asarray(lo, dtype=np.int64), (T,))
         return self._gather(row, lo, hi).astype(np.int64)
+
+    def row_id_parts(self, row: int, lo: np.ndarray, mid: np.ndarray, hi: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """``row_ids(row, lo, mid)`` and ``row_ids(row, mid, hi)`` (``lo <= mid <= hi``, arrays [T]), with the ids
+        of the pages that have none given once (a prefix unit reads its pages and its partial pages' copy sources
+        together)."""
+        if not self.private_ids:
+            self.materialise(row, hi)
+        return self._gather(row, lo, mid).astype(np.int64), self._gather(row, mid, hi).astype(np.int64)
 
     def _gather(self, row: int, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``pages[row, t, lo[t]:hi[t]]`` of every table, table-major (the table's dtype): runs of consecutive

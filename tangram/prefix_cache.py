@@ -222,8 +222,7 @@ class PrefixCache:
         stable = lay.table_min_lens(lens) // self.P
         n = lay.pages_for(lay.table_lens(lens))
         prev = parent.stable if parent is not None else np.zeros_like(stable)
-        ids = bt.row_ids(row, prev, stable)
-        tail = bt.row_ids(row, stable, n)
+        ids, tail = bt.row_id_parts(row, prev, stable, n)
         endable = keep_tail or tail.size == 0
         if not endable:
             tail = tail[:0]

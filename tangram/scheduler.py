@@ -55,7 +55,7 @@ class Request:
     status: str = "waiting"  # waiting | running | finished | rejected
     prompt: int = 0  # tokens to prefill in the current attempt
     prefilled: int = 0
-    generated: int = 0
+    _generated: int = 0  # output tokens produced; while it holds a row, its scheduler's ``gen[row]`` (``generated``)
     row: int = -1
     seq: int = -1  # admission order (preemption picks the latest)
     preemptions: int = 0
@@ -65,6 +65,23 @@ class Request:
     reg: int = -1  # index of the next chain boundary this attempt may register in the cache (-1: none)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, summed over attempts
     pending_copy: tuple | None = None  # (src, dst) page ids copied before its first chunk runs
+    _sched: "Scheduler | None" = None  # set while it holds a row: its token count lives in the scheduler's arrays
+    _sizes: tuple | None = None  # _admit's last sizing (a blocked head is tried again every step: sized once)
+
+    @property
+    def generated(self) -> int:
+        """Output tokens produced so far. While the turn holds a row the count is the scheduler's ``gen[row]``,
+        so a step advances every decoding turn in one vectorised add instead of a Python loop over the batch."""
+        s = self._sched
+        return int(s.gen[self.row]) if s is not None else self._generated
+
+    @generated.setter
+    def generated(self, value: int) -> None:
+        s = self._sched
+        if s is not None:
+            s.gen[self.row] = value
+        else:
+            self._generated = int(value)
 
     @property
     def decoding(self) -> bool:
@@ -143,6 +160,9 @@ class Scheduler:
         self.bt = BlockTable(self.layout, self.pool, rows=min(engine.max_num_seqs, 64), private_ids=private_ids)
         self.head_lens = np.zeros((self.bt.pages.shape[0], L, H), dtype=np.int64)
         self.ctx = np.zeros(self.bt.pages.shape[0], dtype=np.int64)
+        self.gen = np.zeros(self.bt.pages.shape[0], dtype=np.int64)  # output tokens of the turn on each row
+        self.out_tok = np.zeros(self.bt.pages.shape[0], dtype=np.int64)  # and the tokens it will produce
+        self._batch: tuple | None = None  # _partition's answer; None when ``running`` or a turn's phase changed
         self.requests: dict[int, Request] = {}
         self.sessions: dict[str, Session] = {}
         self.waiting: deque[Request] = deque()
@@ -299,8 +319,10 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop all of the session's KV, requeue the turn at the front."""
+        self._leave_row(req)
         self._release_row(req)
         self.running.remove(req)
+        self._batch = None
         req.status, req.prompt, req.prefilled, req.row = "waiting", 0, 0, -1
         req.preemptions += 1
         self.waiting.appendleft(req)
@@ -362,10 +384,9 @@ class Scheduler:
         # 1. decode: every running request past its prefill writes one token.
         self._in_step: set[int] = set()
         while True:
-            dec = [r for r in self.running if r.prefilled >= r.prompt]  # (every turn in running is "running")
+            dec, rows, d_ids, _ = self._partition()
             if not dec:
                 break
-            rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
             new_lens = self.head_lens[rows] + 1
             tl = self._decode_table_lens(rows) + 1  # every head grows by one: so does every table's longest
             need_t = self.bt.pages_needed(rows, tl)
@@ -381,7 +402,6 @@ class Scheduler:
             self.ctx[rows] += 1
             self._head_tokens += rows.size * new_lens[0].size
             budget -= len(dec)
-            d_ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
             self._in_step = set(d_ids.tolist())  # empty until now (read by preemption, in the loop above)
             d_rows, d_ctx, d_lens = rows, self.ctx[rows].copy(), new_lens
         else:
@@ -390,7 +410,7 @@ class Scheduler:
 
         # 2. prefill chunks of admitted requests, then 3. admit waiting turns FCFS.
         pf: list[tuple] = []
-        for req in list(self.running):
+        for req in list(self._partition()[3]):  # (a chunk's room may preempt a later one: status is checked)
             if req.status == "running" and req.prefilled < req.prompt and (budget > 0 or not pf):
                 budget -= self._schedule_chunk(req, budget, pf)
         # As vLLM v1: a step that had to preempt admits nothing new (admitting would only feed the thrash).
@@ -445,7 +465,7 @@ class Scheduler:
         sess = self.sessions[req.sid]
         resident = sess.parked is not None
         prompt = self._prompt_of(req)
-        base = sess.parked_head_lens if resident else np.zeros(self.keep_ratio.shape, dtype=np.int64)
+        base = sess.parked_head_lens if resident else None
         held = int(sess.parked.npages.sum()) if resident else 0
         chain, cuts, units = req.chain, None, []
         if chain is not None and not resident:  # a fresh prefill of a chain: look the chain up
@@ -457,12 +477,8 @@ class Scheduler:
             hit, shared, base = 0, 0, base0
             if units:
                 hit, base, shared = units[-1].end, units[-1].lens, int(units[-1].stable.sum())
-            if self.engine.reserve_exact:
-                final = base + self._prefill_keep_total(prompt - hit, hit, cuts)
-            else:  # pages come chunk by chunk; admission only checks the first chunk fits
-                final = base + self._keep_one(self._chunk_len(prompt - hit, hit, cuts))
-            tl_final = self.layout.table_lens(final)
-            need = max(0, int(self.layout.pages_for(tl_final).sum()) - held - shared)
+            tl_final, pages = self._final_sizes(req, prompt, hit, base, cuts)
+            need = max(0, pages - held - shared)
             # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
             # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
             if not units or need + held + shared + units[-1].tail_ids.size <= self.pool.num_pages:
@@ -520,7 +536,8 @@ class Scheduler:
             self.ctx[row] = 0
         if self.engine.reserve_exact:
             self.bt.ensure(np.array([row]), tl_final[None])
-        req.status, req.row, req.prompt, req.prefilled = "running", row, prompt - hit, 0
+        req.status, req.prompt, req.prefilled = "running", prompt - hit, 0
+        self._take_row(req, row)
         req.seq, self._seq = self._seq, self._seq + 1
         req.cuts = cuts
         req.reg = -1
@@ -531,6 +548,7 @@ class Scheduler:
                 if resident:  # full mode: the resident history's complete pages inside the chain
                     self._register(req)
         self.running.append(req)
+        self._batch = None
         self.stats.admitted += 1
         self.stats.prompt_tokens += prompt
         if chain is not None and not resident:
@@ -542,6 +560,25 @@ class Scheduler:
         self._counters["admitted"] += 1
         self._events.append(Event(req.rid, "admitted", "resident" if resident else "recompute"))
         return True
+
+    def _final_sizes(self, req: Request, prompt: int, hit: int, base: np.ndarray | None, cuts: np.ndarray | None
+                     ) -> tuple[np.ndarray, int]:
+        """Table lengths [T] and pages the turn holds once its prompt is prefilled from ``hit`` on top of ``base``
+        head lengths (None: nothing), or its first chunk's without exact reservation. Kept on the request for the
+        same inputs (the same arrays, which nothing writes): a blocked queue head is sized again at every step."""
+        m = req._sizes
+        if m is not None and m[0] == prompt and m[1] == hit and m[2] is base and m[3] is cuts:
+            return m[4], m[5]
+        b = np.zeros(self.keep_ratio.shape, dtype=np.int64) if base is None else base
+        if self.engine.reserve_exact:
+            final = b + self._prefill_keep_total(prompt - hit, hit, cuts)
+        else:  # pages come chunk by chunk; admission only checks the first chunk fits
+            final = b + self._keep_one(self._chunk_len(prompt - hit, hit, cuts))
+        tl = self.layout.table_lens(final)
+        tl.flags.writeable = False
+        pages = int(self.layout.pages_for(tl).sum())
+        req._sizes = (prompt, hit, base, cuts, tl, pages)
+        return tl, pages
 
     def _register(self, req: Request) -> None:
         """Cache the row's pages of the chain's boundaries it has computed (in order, one lineage)."""
@@ -597,6 +634,36 @@ class Scheduler:
             ctx = np.zeros(n, dtype=np.int64)
             ctx[: self.ctx.size] = self.ctx
             self.head_lens, self.ctx = hl, ctx
+            gen, out = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+            gen[: self.gen.size], out[: self.out_tok.size] = self.gen, self.out_tok
+            self.gen, self.out_tok = gen, out
+
+    def _partition(self) -> tuple[list, np.ndarray, np.ndarray, list]:
+        """The running turns split by phase, in admission order: (decoding turns, their rows, their request ids,
+        prefilling turns). Kept until ``running`` changes or a prompt completes (``_batch = None``): a replay asks
+        ~10^5 times, for a batch that changes far less often. The arrays are read-only (plans carry them)."""
+        b = self._batch
+        if b is None or self.pool.check:
+            dec, pre = [], []
+            for r in self.running:  # (every turn in running is "running")
+                (dec if r.prefilled >= r.prompt else pre).append(r)
+            rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
+            ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
+            rows.flags.writeable = ids.flags.writeable = False
+            if b is not None and (b[0] != dec or b[3] != pre or not np.array_equal(b[1], rows)):
+                raise AssertionError("the running batch's partition changed without being invalidated")
+            b = self._batch = (dec, rows, ids, pre)
+        return b
+
+    def _take_row(self, req: Request, row: int) -> None:
+        """The turn holds ``row`` from now: its output count moves to ``gen[row]`` (``Request.generated``)."""
+        req.row = row
+        self.gen[row], self.out_tok[row] = req._generated, req.output_tokens
+        req._sched = self
+
+    def _leave_row(self, req: Request) -> None:
+        req._generated = int(self.gen[req.row])
+        req._sched = None
 
     def _schedule_chunk(self, req: Request, budget: int, pf: list) -> int:
         """Put the request's next chunk in the step; returns tokens used (0 if it must wait)."""
@@ -620,6 +687,8 @@ class Scheduler:
             self._head_tokens += int(keep.sum())
         self.ctx[row] += c
         req.prefilled += c
+        if req.prefilled >= req.prompt:
+            self._batch = None  # it decodes from the next step
         self._in_step.add(req.rid)
         key = req.rid  # the dynamic mode's retention draw: per request, or per chain for a chunk of the chain
         if req.cuts is not None and start + c <= int(req.chain.ends[-1]):
@@ -657,13 +726,14 @@ class Scheduler:
         if plan.num_prefill:
             for rid in plan.prefill_ids[plan.prefill_last].tolist():
                 self._emit_token(reqs[rid], events)
-        for rid in plan.decode_ids.tolist():  # _emit_token, inline for the turns that neither start nor finish
-            req = reqs[rid]
-            g = req.generated + 1
-            if g == 1 or g >= req.output_tokens:
+        if plan.num_decode:  # one token each, vectorised; _emit_token for the turns that start or finish
+            rows = plan.decode_rows
+            g = self.gen[rows] + 1
+            self.gen[rows] = g
+            for i in np.flatnonzero((g == 1) | (g >= self.out_tok[rows])).tolist():
+                req = reqs[int(plan.decode_ids[i])]
+                self.gen[req.row] -= 1
                 self._emit_token(req, events)
-            else:
-                req.generated = g
         return events
 
     def _emit_token(self, req: Request, events: list[Event]) -> None:
@@ -676,7 +746,9 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         sess = self.sessions[req.sid]
+        self._leave_row(req)
         self.running.remove(req)
+        self._batch = None
         req.status = "finished"
         sess.history += req.new_tokens + req.output_tokens
         sess.busy = False
@@ -731,9 +803,7 @@ class Scheduler:
             if any(s != sid for s in self.idle):
                 return self._decline("idle sessions")  # a session parked since: the next try evicts it
             blocked = b[0]
-        dec, pre = [], []
-        for r in run:  # one pass over the batch (a replay plans ~30K runs; every turn in running is "running")
-            (dec if r.prefilled >= r.prompt else pre).append(r)
+        dec, rows, ids, pre = self._partition()
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
             return self._decline("chunks not reserved")
         if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk
@@ -742,7 +812,7 @@ class Scheduler:
         # boundary a turn may cache ends the run (``commit_run`` registers it as ``update`` would). A blocked
         # head's failed admission is a fixed point with the prefix cache too: it evicted every idle unit and
         # copy source but those of the head's own hit, which it holds again at every attempt.
-        k_max = min((r.output_tokens - r.generated for r in dec), default=1 << 30)  # first decode finish
+        k_max = int((self.out_tok[rows] - self.gen[rows]).min()) if dec else 1 << 30  # first decode finish
         if max_steps is not None:
             k_max = min(k_max, int(max_steps))
         chunks: list[tuple] = []  # (step, request, tokens, last)
@@ -773,7 +843,6 @@ class Scheduler:
                     break
         if k_max < 1:
             return self._decline("no step")
-        rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
         lens0 = self.head_lens[rows]
         if dec:
             tl0 = self._decode_table_lens(rows)
@@ -794,7 +863,7 @@ class Scheduler:
             chunks = [ch for ch in chunks if ch[0] <= k]
             if pre:
                 attempted_last = self._attempted_at(k, chunks, blocked, len(dec))
-        out = StepRun(self._step + 1, np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec)), rows,
+        out = StepRun(self._step + 1, ids, rows,
                       self.ctx[rows].copy(), lens0, per[:k].astype(np.int64), self.layout.n_tables, self.retention,
                       self.pool.n_used, self.live_tokens, **self._chunk_arrays(chunks))
         self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None)
@@ -888,6 +957,8 @@ class Scheduler:
             for rid, c in zip(uniq.tolist(), tok.astype(np.int64).tolist()):
                 self.requests[rid].prefilled += c
             last_prefill = [self.requests[int(r)] for r in run.chunk_ids[:n][run.chunk_last[:n]]]
+            if last_prefill:
+                self._batch = None  # they decode from the next step
             self._head_tokens += int(run.chunk_keep[:n].sum())
         self._step += j
         st = self.stats
@@ -908,13 +979,14 @@ class Scheduler:
         events: list[Event] = []
         for r in last_prefill:
             self._emit_token(r, events)
-        for r in dec:  # j - 1 tokens, then the j-th through _emit_token when it starts or finishes the turn
-            g = r.generated + j
-            if g == 1 or g >= r.output_tokens:
-                r.generated = g - 1
+        if dec:  # j tokens each, vectorised; the j-th through _emit_token for the turns that start or finish
+            rows = run.decode_rows
+            g = self.gen[rows] + j
+            self.gen[rows] = g
+            for i in np.flatnonzero((g == 1) | (g >= self.out_tok[rows])).tolist():
+                r = dec[i]
+                self.gen[r.row] -= 1
                 self._emit_token(r, events)
-            else:
-                r.generated = g
         self._events = []
         return events
 

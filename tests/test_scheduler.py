@@ -290,3 +290,36 @@ def test_decode_reads_table_lengths_kept_in_step_and_checks_them():
     s.bt.lens[req.row, 0] += 1
     with pytest.raises(AssertionError, match="out of step"):
         s.schedule()
+
+
+def test_output_counts_follow_a_turn_off_its_row():
+    """A running turn's output count lives in the scheduler's per-row array (a step advances the whole batch in one
+    add): it must leave the row with the turn when the turn is preempted (its recompute prefills what it had
+    generated) and when it finishes, and never leak to the next turn on that row."""
+    model = tiny_model(1, 2)
+    s = Scheduler(model, EngineConfig(mode="full", page_size=4, chunk_size=64, max_batched_tokens=128,
+                                      session_cache=False), None, num_pages=14)
+    s.add_request(0, "a", 8, 40)
+    s.add_request(1, "b", 8, 40)
+    made = {0: 0, 1: 0}
+    at_preemption = {}
+    for _ in range(500):
+        if not s.has_work():
+            break
+        p = s.schedule()
+        for rid in p.decode_ids.tolist() + p.prefill_ids[p.prefill_last].tolist():
+            made[rid] += 1
+        for e in s.update(p, StepResult(p.step, 0.0)):
+            if e.kind == "finished":
+                assert s.requests[e.rid].generated == made[e.rid] == s.requests[e.rid].output_tokens
+        for r in s.running:
+            assert r.generated == made[r.rid] == s.gen[r.row]
+        for r in s.waiting:
+            if r.preemptions and r.rid not in at_preemption:
+                at_preemption[r.rid] = r.generated
+                assert r.generated == made[r.rid] > 0 and r._sched is None
+    assert not s.has_work() and s.stats.preemptions >= 1
+    rid, g = next(iter(at_preemption.items()))
+    assert s.stats.finished == 2 and made == {0: 40, 1: 40}
+    # its recompute prefilled the prompt and the tokens it had generated before it was preempted
+    assert s.requests[rid].prompt == 8 + g

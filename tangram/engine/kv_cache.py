@@ -95,7 +95,10 @@ class KVCache:
 
     def to_device(self, a: np.ndarray) -> torch.Tensor:
         """Host array to the device through pinned memory (a pageable copy would sync the stream)."""
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        a = np.ascontiguousarray(a)
+        if not a.flags.writeable:  # a plan's read-only arrays (the scheduler's cached batch): torch wants its own
+            a = a.copy()
+        t = torch.from_numpy(a)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
