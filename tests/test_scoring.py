@@ -286,9 +286,11 @@ class _Tok:
         return f"<user>{messages[0]['content']}</user><assistant>"
 
 
+@pytest.mark.parametrize("evict", [False, True])
 @pytest.mark.parametrize("block", [None, 1, 2000])
-def test_kvzip_reconstruction_scores_match_float64_reference(block, monkeypatch):
-    """``block``: KVzip's repeat-query blocks (elements), so one, several uneven and one-row blocks are checked."""
+def test_kvzip_reconstruction_scores_match_float64_reference(block, evict, monkeypatch):
+    """``block``: KVzip's repeat-query blocks (elements), so one, several uneven and one-row blocks are checked.
+    ``evict``: two sink tokens of one KV head are evicted before the second chunk (the repeat must not see them)."""
     if block is not None:
         monkeypatch.setattr(profile_scoring, "_SCORE_BLOCK", block)
     cfg, model = _tiny_model(_seed())
@@ -301,7 +303,13 @@ def test_kvzip_reconstruction_scores_match_float64_reference(block, monkeypatch)
     rec = lambda ev: seen.append((ev.layer, ev.q.clone(), ev.k.clone(), ev.new_start))  # noqa: E731
     sess = Session(model, TorchAttention(cfg, observers=[sc, rec]))
     n0, out = 0, []
+    gone = (1, 3)  # evicted from KV head 0 of every layer before the second chunk (evict=True)
     for i, ch in enumerate(chunks):
+        if i == 1 and evict:
+            for l in range(cfg.num_layers):
+                km = torch.ones(1, cfg.num_kv_heads, n0, dtype=torch.bool)
+                km[0, 0, list(gone)] = False
+                sess.backend.evict(l, 0, km)
         sess.forward(ch)
         seen.clear()
         sc.after_chunk(sess, ch)
@@ -316,10 +324,13 @@ def test_kvzip_reconstruction_scores_match_float64_reference(block, monkeypatch)
             idx = list(range(sink)) + list(range(n0, n0 + len(ch))) + list(range(ns, ns + R_))
             ref = torch.zeros(cfg.num_kv_heads, len(ch), dtype=torch.float64)
             for qh in range(cfg.num_q_heads):
+                out_ = gone if evict and i == 1 and qh // g == 0 else ()
                 for r in range(R_):
-                    keys = K[0, qh // g, idx[:sink + len(ch) + r + 1]].double()
+                    cols = [c for c in idx[:sink + len(ch) + r + 1] if c not in out_]
+                    s_kept = sum(1 for c in idx[:sink] if c not in out_)
+                    keys = K[0, qh // g, cols].double()
                     p = torch.softmax(keys @ q[0, qh, r].double() / math.sqrt(cfg.head_dim), 0)
-                    ref[qh // g] = torch.maximum(ref[qh // g], p[sink:sink + len(ch)])
+                    ref[qh // g] = torch.maximum(ref[qh // g], p[s_kept:s_kept + len(ch)])
             if n0 == 0:
                 ref[:, :4] = math.inf  # sequence sinks
             assert_scores_close(out[-1][l], ref, rtol=1e-4, atol=1e-7)

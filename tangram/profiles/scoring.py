@@ -170,14 +170,18 @@ class KVzipScorer(ChunkScorer):
         Ks = ev.k[:, :, idx].float().repeat_interleave(g, dim=1)  # [B, Hq, n, D]
         q = ev.q.float()
         drop = ~ev.keep[:, :, idx].repeat_interleave(g, dim=1)[:, :, None, :]  # [B, Hq, 1, n]
+        drop = drop if bool(drop.any()) else None  # a first chunk has evicted nothing: the fill would change nothing
         rep = torch.arange(R)
         step = max(1, _SCORE_BLOCK // max(1, B * Hq * n))
         best = None
         S = torch.einsum("bhrd,bhnd->bhrn", q, Ks)  # whole: a GEMM's bits depend on its row count
         for a in range(0, R, step):
             s = S[:, :, a:a + step] * ev.scale
-            s.masked_fill_(drop, -math.inf)
-            s[..., off:].masked_fill_(rep[None, :] > rep[a:a + step, None], -math.inf)  # the repeat is causal
+            if drop is not None:
+                s.masked_fill_(drop, -math.inf)
+            # the repeat is causal: repeat query a + i sees repeat keys up to a + i (every row of the block sees
+            # those up to a, so the fill starts after a)
+            s[..., off + a + 1:].masked_fill_(rep[None, a + 1:] > rep[a:a + step, None], -math.inf)
             blk = torch.softmax(s, dim=-1)[..., sink:off].amax(dim=2)  # [B, Hq, c]
             best = blk if best is None else torch.maximum(best, blk)
         sc = best.view(B, H, g, c).amax(dim=2)
