@@ -290,6 +290,42 @@ def test_eval_backend_equals_the_reference_backend_with_poisoned_evictions(smoll
     assert torch.allclose(a[0], b[0], atol=1e-4) and torch.equal(b[0], b[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("evicted", [False, True])
+def test_eval_attention_mask_is_the_explicit_one_bit_for_bit(dtype, evicted):
+    """EvalAttention's attention over a cache (queries after earlier tokens) equals SDPA with the explicit
+    [B, Hq, T, N] keep-and-causal bias bit for bit: with nothing evicted it passes the causal bias once, broadcast
+    over rows and heads (KVzip's repeat, the full cache's rows); in query blocks when the bias is large."""
+    import torch.nn.functional as F
+    from tangram.engine.model import AttnContext
+    from tangram.profiles import evaluate
+    from tangram.profiles.evaluate import EvalAttention
+    g = torch.Generator().manual_seed(11 + evicted)
+    B, Hkv, grp, D, N0, T = 3, 2, 3, 16, 40, 7
+    N = N0 + T
+    q = torch.randn(B, Hkv * grp, T, D, generator=g).to(dtype)
+    K, V = (torch.randn(B, Hkv, N, D, generator=g).to(dtype) for _ in range(2))
+    keep = torch.ones(B, Hkv, N, dtype=torch.bool)
+    if evicted:
+        keep[:, :, :N0] = torch.rand(B, Hkv, N0, generator=g) < 0.6
+    from tangram.config import get_model
+    att = EvalAttention(get_model("smollm2-135m"))
+    att.pos = torch.arange(N)
+    ctx = AttnContext(torch.arange(N0, N))
+    allowed = (keep[:, :, None, :] & (att.pos[None, None, None, :] <= ctx.input_pos[None, None, :, None]))
+    bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf")).repeat_interleave(grp, 1)
+    want = F.scaled_dot_product_attention(q, K, V, attn_mask=bias, scale=0.25, enable_gqa=True)
+    assert torch.equal(att._attend(q, K, V, keep, ctx, 0.25), want)
+    old = evaluate._MASK_BUDGET
+    try:  # query blocks of 2 queries (each block is SDPA of those queries with their rows of the same bias)
+        evaluate._MASK_BUDGET = 2 * (N if not evicted else B * Hkv * grp * N)
+        blocks = [F.scaled_dot_product_attention(q[:, :, a:a + 2], K, V, attn_mask=bias[:, :, a:a + 2], scale=0.25,
+                                                 enable_gqa=True) for a in range(0, T, 2)]
+        assert torch.equal(att._attend(q, K, V, keep, ctx, 0.25), torch.cat(blocks, dim=2))
+    finally:
+        evaluate._MASK_BUDGET = old
+
+
 def test_full_cache_solves_easy_instances_and_keep_all_modes_equal_it(smollm2):
     """Short passkey prompts: the full cache answers them; a tangram row whose budgets keep everything is the
     full cache (same verdicts, KL 0); teacher forcing agrees with free greedy decoding."""

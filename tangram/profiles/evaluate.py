@@ -247,13 +247,19 @@ class EvalAttention(TorchAttention):
             return F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=scale, enable_gqa=True)
         g = q.shape[1] // Hkv
         Hq = q.shape[1]
-        step = max(1, _MASK_BUDGET // max(1, B * Hq * N))
+        # nothing evicted (KVzip's repeat over a first chunk, the rows of the full cache): the mask is the causal one
+        # of every row and head, passed once and broadcast (the same values added: the same output bit for bit)
+        causal = bool(keep.all())
+        step = max(1, _MASK_BUDGET // max(1, (1 if causal else B * Hq) * N))
         outs = []
         for a in range(0, T, step):
             qp = ctx.input_pos[a:a + step]
-            allowed = keep[:, :, None, :] & (self.pos[None, None, None, :] <= qp[None, None, :, None])
+            allowed = self.pos[None, None, None, :] <= qp[None, None, :, None]
+            if not causal:
+                allowed = keep[:, :, None, :] & allowed
             bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-            bias = bias.repeat_interleave(g, dim=1)
+            if not causal:
+                bias = bias.repeat_interleave(g, dim=1)
             outs.append(F.scaled_dot_product_attention(q[:, :, a:a + step], K, V, attn_mask=bias, scale=scale,
                                                        enable_gqa=True))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
