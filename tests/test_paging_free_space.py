@@ -171,6 +171,38 @@ def test_a_row_parked_in_two_parts_frees_its_private_pages_and_refuses_shared_on
     assert pool.n_free == 64 - 2
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), private=st.booleans())
+def test_a_grown_table_keeps_every_rows_ids(seed, private):
+    """Growing the table (more rows, wider columns) keeps each row's page ids where they were, with ids given by
+    ``row_ids`` (``private_ids=False``: only the columns below ``nids`` are copied, each table its own) and rows
+    parked and released before the growth leaving nothing behind that a later row reads."""
+    from tangram.paging import BlockTable, KVLayout
+
+    rng = np.random.default_rng(seed)
+    lay = KVLayout(2, 3, 4, 2, 4, 1, True, np.tile(np.arange(3), (2, 1)))  # 6 tables of 1 head, pages of 4 tokens
+    pool = PagePool(4096, lay.page_bytes, check=True)
+    bt = BlockTable(lay, pool, rows=2, cap=16, private_ids=private)
+    want = {}
+    for _ in range(int(rng.integers(3, 9))):
+        r = bt.acquire_row()  # past the rows it has: grows the rows
+        lens = rng.integers(0, 4 * int(rng.choice([4, 40, 120])), size=(1, lay.n_tables))  # wider: grows the columns
+        bt.ensure(np.array([r]), lens)
+        hi = bt.npages[r] if private else rng.integers(0, bt.npages[r] + 1)  # some pages named, some only counted
+        want[r] = (hi.copy(), bt.row_ids(r, 0, hi))
+        if rng.random() < 0.3:  # a row let go before the growth: its stale columns are never read again
+            bt.release_row(r) if rng.random() < 0.5 else bt.free_parked(bt.park(r))
+            del want[r]
+    before = bt.pages.shape
+    bt._grow(rows=2 * before[0], cap=2 * before[2])
+    assert bt.pages.shape[0] == 2 * before[0] and bt.pages.shape[2] >= 2 * before[2]
+    for r, (hi, ids) in want.items():
+        np.testing.assert_array_equal(bt.row_ids(r, 0, hi), ids)
+        assert (bt.nids[r] >= hi).all()
+    fresh = bt.acquire_row()  # a row taken after the growth holds nothing and reads nothing stale
+    assert bt.npages[fresh].sum() == 0 and bt.nids[fresh].sum() == 0 and bt.row_ids(fresh).size == 0
+
+
 @pytest.mark.parametrize("heads,hp", [(8, 1), (8, 2), (8, 4), (8, 8), (6, 3), (12, 6), (12, 4)])
 def test_table_lens_is_each_tables_longest_head(heads, hp):
     """``table_lens`` (pairwise maxima for a power-of-two H_p, a loop over the group otherwise) against a plain

@@ -53,8 +53,8 @@ def serve(s, rid, sid, new, out, prefix=()):
 
 def rows_of(s):
     """(held units, pages [T, cap], npages [T], head_lens [L, H]) of every running and parked row. Pages reserved
-    without an id (``private_ids=False``: columns at or beyond ``nids``, which must hold -1 in the block table) get
-    made-up distinct ids from ``num_pages`` on, so the checks below see every page."""
+    without an id (``private_ids=False``: columns at or beyond ``nids``, whose values are undefined in the block table)
+    get made-up distinct ids from ``num_pages`` on, so the checks below see every page."""
     out = []
     fake = [s.pool.num_pages]
 
@@ -62,7 +62,7 @@ def rows_of(s):
         pages = pages.astype(np.int64)
         if pages.shape[1] < int(npg.max(initial=0)):
             pages = np.pad(pages, ((0, 0), (0, int(npg.max()) - pages.shape[1])), constant_values=-1)
-        for t in range(npg.size):  # (beyond nids the table is never read: _grow leaves it unwritten)
+        for t in range(npg.size):  # (beyond nids the table is never read: _grow, park and release leave it as it is)
             k = int(npg[t] - nids[t])
             pages[t, nids[t]:npg[t]] = np.arange(fake[0], fake[0] + k)
             fake[0] += k
