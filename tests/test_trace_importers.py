@@ -216,9 +216,37 @@ def test_sharegpt_turns_and_token_counts(tokenizer, tmp_path):
         [(x.new_tokens, x.output_tokens, x.text) for x in t.turns]
 
 
+def test_lmsys_and_wildchat_records_import_as_their_sharegpt_twins(tokenizer, tmp_path):
+    """LMSYS-Chat-1M and WildChat records hold OpenAI-style messages under ``conversation`` (their ids in
+    ``conversation_id`` / ``conversation_hash``, other fields ignored): the same turns and token counts as the
+    ShareGPT form of the same conversations, found by format detection."""
+    from tangram.traces.detect import detect_format
+
+    convs = json.loads((DATA / "sharegpt_sample.json").read_text())
+    role = {"human": "user", "gpt": "assistant", "chatgpt": "assistant"}
+    recs = []
+    for i, c in enumerate(convs):
+        msgs = [{"content": m["value"], "role": role.get(m["from"], m["from"]), "language": "English"}
+                for m in c["conversations"]]
+        key = "conversation_id" if i % 2 else "conversation_hash"
+        recs.append({key: f"c{i}", "model": "vicuna-13b", "conversation": msgs, "turn": len(msgs),
+                     "timestamp": "2023-04-09 00:02:53+00:00"})
+    p = tmp_path / "lmsys.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert detect_format(p) == "sharegpt"
+    a = import_sharegpt(DATA / "sharegpt_sample.json", tokenizer=tokenizer, keep_text=True)
+    b = import_sharegpt(p, tokenizer=tokenizer, keep_text=True)
+    assert [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s) for x in b.turns] == \
+        [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s) for x in a.turns]
+    assert b.turns[0].meta["x_id"] == "c0"
+
+
 @pytest.mark.parametrize("text,line,field,frag", [
     ('[{"id": 1, "conversations": [{"from": "robot", "value": "x"}]}]', 1, "conversations[0].from",
      "unknown role 'robot'"),
+    ('{"conversation_id": "a", "conversation": [{"role": "user", "content": null}]}', 1, "conversation[0].content",
+     "expected a string"),
+    ('{"conversation_hash": "a", "conversation": [3]}', 1, "conversation[0]", "expected an object"),
     ('[{"id": 1, "conversations": [{"from": "human", "value": 3}]}]', 1, "conversations[0].value",
      "expected a string"),
     ('[\n{"id": 1, "conversations": []},\n{"id": 2}\n]', 3, "conversations", "missing required field"),

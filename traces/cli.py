@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {"mooncake": "Mooncake FAST'25 JSON lines (conversation, tool-agent, synthetic traces)",
              "azure": "Azure LLM inference CSV (TIMESTAMP,ContextTokens,GeneratedTokens; 2023 and 2024)",
              "burstgpt": "BurstGPT CSV (Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type)",
-             "sharegpt": "ShareGPT-style conversations JSON (id, conversations: [{from, value}])"}
+             "sharegpt": "ShareGPT-style conversations JSON (id, conversations: [{from, value}]; also "
+                         "LMSYS-Chat-1M / WildChat records, conversation: [{role, content}])"}
     sp = {}
     for f in FORMATS:
         sp[f] = x = fmts.add_parser(f, help=helps[f])

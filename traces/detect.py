@@ -12,7 +12,8 @@ Detection reads only the head of the file (the first line, or its first 64 KiB f
 * JSON lines whose first object has ``timestamp``, ``input_length`` and ``output_length``: Mooncake (FAST'25
   conversation, tool-agent and synthetic traces);
 * any other JSON lines: ours (docs/traces.md; our loader names the first field it rejects);
-* a JSON array, or JSON lines whose first object has ``conversations`` or ``messages``: ShareGPT-style;
+* a JSON array, or JSON lines whose first object has ``conversations``, ``conversation`` (LMSYS-Chat-1M, WildChat)
+  or ``messages``: ShareGPT-style;
 * CSV whose header has ``TIMESTAMP``, ``ContextTokens`` and ``GeneratedTokens``: Azure LLM inference (2023, 2024);
 * CSV whose header has ``Request tokens`` and ``Response tokens``: BurstGPT.
 """
@@ -75,10 +76,10 @@ def detect_format(path: str | os.PathLike) -> str:
     if text[0] == "{":
         keys = _json_keys(first)
         if keys is None:  # a pretty-printed JSON document: look for ShareGPT's field names near its start
-            return "sharegpt" if ('"conversations"' in head or '"messages"' in head) else OURS
+            return "sharegpt" if any(f'"{k}"' in head for k in ("conversations", "conversation", "messages")) else OURS
         if {"timestamp", "input_length", "output_length"} <= keys:
             return "mooncake"
-        if ("conversations" in keys or "messages" in keys) and "session_id" not in keys:
+        if keys & {"conversations", "conversation", "messages"} and "session_id" not in keys:
             return "sharegpt"
         return OURS
     cols = {c.strip().strip('"').strip() for c in next(csv.reader(io.StringIO(first)), [])}
@@ -94,7 +95,7 @@ def detect_format(path: str | os.PathLike) -> str:
 _KNOWN = ("known formats: our JSON lines (session_id, turn, new_tokens, ...: docs/traces.md), Mooncake JSON lines "
           "(timestamp, input_length, output_length, hash_ids), Azure CSV (TIMESTAMP, ContextTokens, "
           "GeneratedTokens), BurstGPT CSV (Timestamp, Request tokens, Response tokens, ...), ShareGPT JSON "
-          "(conversations: [{from, value}])")
+          "(conversations: [{from, value}]; LMSYS-Chat-1M / WildChat conversation: [{role, content}])")
 
 
 def import_trace(fmt: str, path: str | os.PathLike, report: ImportReport | None = None, **opts) -> Trace:

@@ -4,7 +4,8 @@ Schema (FastChat's ShareGPT format, e.g. ``ShareGPT_V3_unfiltered_cleaned_split.
 dataset anon8231489123/ShareGPT_Vicuna_unfiltered, used by vLLM's and SGLang's serving benchmarks): a JSON array
 (or JSON lines) of ``{"id": ..., "conversations": [{"from": "human" | "gpt" | ..., "value": text}, ...]}``.
 Roles: ``human``/``user`` ask, ``gpt``/``assistant``/``chatgpt``/``bing``/``bard``/``model`` answer, ``system``
-sets context. OpenAI-style ``{"role", "content"}`` messages are read too.
+sets context. OpenAI-style ``{"role", "content"}`` messages are read too, under ``conversations``, ``conversation``
+(LMSYS-Chat-1M's and WildChat's records, ids in ``conversation_id`` / ``conversation_hash``) or ``messages``.
 
 Turns: each run of user (and system) messages is a turn's prompt, the following run of answers its output.
 Answers before the first user message stay as context of the first prompt; a final unanswered user message
@@ -38,6 +39,10 @@ from .importing import ImportReport, open_text
 USER_ROLES = frozenset({"human", "user"})
 ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bing", "bard", "model"})
 SYSTEM_ROLES = frozenset({"system"})
+# FastChat's ShareGPT ("conversations"), LMSYS-Chat-1M and WildChat ("conversation", OpenAI-style messages), chat
+# datasets in the OpenAI format ("messages"); their conversation ids
+MESSAGE_KEYS = ("conversations", "conversation", "messages")
+ID_KEYS = ("id", "conversation_id", "conversation_hash")
 DEFAULT_RATE = 1.0  # sessions per second (an assumption: the data has no times)
 DEFAULT_THINK = "lognormal:60:1.0:2:900"  # median 60 s to read an answer and type the next message (assumed)
 BATCH = 512  # conversations per tokenizer call
@@ -113,18 +118,19 @@ def iter_json_documents(path: str) -> Iterator[tuple[int, object]]:
         i = skip_ws(end)
 
 
-def _role(path, line, i, m) -> tuple[str, str]:
+def _role(path, line, i, m, key: str = "conversations") -> tuple[str, str]:
     if not isinstance(m, dict):
-        raise InputError(path, line, f"conversations[{i}]", "expected an object {\"from\", \"value\"}")
+        raise InputError(path, line, f"{key}[{i}]", "expected an object {\"from\", \"value\"} or {\"role\", "
+                         "\"content\"}")
     if "from" in m or "value" in m:
         rk, vk = "from", "value"
     else:
         rk, vk = "role", "content"
     r, v = m.get(rk), m.get(vk)
     if not isinstance(r, str):
-        raise InputError(path, line, f"conversations[{i}].{rk}", f"expected a role string, got {r!r}"[:120])
+        raise InputError(path, line, f"{key}[{i}].{rk}", f"expected a role string, got {r!r}"[:120])
     if not isinstance(v, str):
-        raise InputError(path, line, f"conversations[{i}].{vk}", f"expected a string, got {type(v).__name__}")
+        raise InputError(path, line, f"{key}[{i}].{vk}", f"expected a string, got {type(v).__name__}")
     role = r.strip().lower()
     if role in USER_ROLES:
         return "user", v
@@ -133,7 +139,7 @@ def _role(path, line, i, m) -> tuple[str, str]:
     if role in SYSTEM_ROLES:
         return "system", v
     known = ", ".join(sorted(USER_ROLES | ASSISTANT_ROLES | SYSTEM_ROLES))
-    raise InputError(path, line, f"conversations[{i}].{rk}", f"unknown role {r!r} (expected one of {known})")
+    raise InputError(path, line, f"{key}[{i}].{rk}", f"unknown role {r!r} (expected one of {known})")
 
 
 def render(messages: list[tuple[str, str]]) -> tuple[str, list[tuple[int, int, int]]] | None:
@@ -211,14 +217,16 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
         rep.rows += 1
         if not isinstance(obj, dict):
             raise InputError(p, line, None, "expected a conversation object {\"id\", \"conversations\"}")
-        msgs = obj.get("conversations", obj.get("messages"))
-        if msgs is None:
-            raise InputError(p, line, "conversations", "missing required field")
+        key = next((k for k in MESSAGE_KEYS if k in obj), None)
+        if key is None:
+            raise InputError(p, line, "conversations", "missing required field (a list of messages under "
+                             + " or ".join(repr(k) for k in MESSAGE_KEYS) + ")")
+        msgs = obj[key]
         if not isinstance(msgs, list):
-            raise InputError(p, line, "conversations", "expected a list of messages")
-        cid = obj.get("id")
+            raise InputError(p, line, key, "expected a list of messages")
+        cid = next((obj[k] for k in ID_KEYS if obj.get(k) is not None), None)
         cid = "" if cid is None else str(cid)
-        roles = [_role(p, line, i, m) for i, m in enumerate(msgs)]
+        roles = [_role(p, line, i, m, key) for i, m in enumerate(msgs)]
         r = render(roles)
         if r is None:
             rep.skip("conversation without an answered user message")
