@@ -229,16 +229,55 @@ def test_lmsys_and_wildchat_records_import_as_their_sharegpt_twins(tokenizer, tm
         msgs = [{"content": m["value"], "role": role.get(m["from"], m["from"]), "language": "English"}
                 for m in c["conversations"]]
         key = "conversation_id" if i % 2 else "conversation_hash"
-        recs.append({key: f"c{i}", "model": "vicuna-13b", "conversation": msgs, "turn": len(msgs),
-                     "timestamp": "2023-04-09 00:02:53+00:00"})
+        recs.append({key: f"c{i}", "model": "vicuna-13b", "conversation": msgs, "turn": len(msgs)})
     p = tmp_path / "lmsys.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert detect_format(p) == "sharegpt"
     a = import_sharegpt(DATA / "sharegpt_sample.json", tokenizer=tokenizer, keep_text=True)
     b = import_sharegpt(p, tokenizer=tokenizer, keep_text=True)
-    assert [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s) for x in b.turns] == \
-        [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s) for x in a.turns]
+    assert [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s, x.think_time_s)
+            for x in b.turns] == \
+        [(x.session_id, x.turn, x.new_tokens, x.output_tokens, x.text, x.arrival_s, x.think_time_s) for x in a.turns]
     assert b.turns[0].meta["x_id"] == "c0"
+
+
+def test_sharegpt_arrivals_from_the_records_timestamps(tokenizer, tmp_path):
+    """WildChat's records carry the conversation's ``timestamp``: sessions arrive at those times (any ISO 8601 form,
+    zone-less read as UTC, or epoch seconds), from the earliest, whatever the file order; later turns keep the
+    seeded think times of the same seed. Without a timestamp on every conversation ``auto`` falls back to Poisson
+    and says why; ``timestamp`` refuses, and a bad one is an error at its line and field."""
+    convs = json.loads((DATA / "sharegpt_sample.json").read_text())  # records 0-2 importable, 3-4 skipped
+    stamps = ["2023-04-09T00:02:53Z", "2023-04-09 02:02:53+02:00", "2023-04-09 00:02:53.5", "not read", None]
+    recs = [dict(c, timestamp=t) for c, t in zip(convs, stamps)]
+    p = tmp_path / "wild.json"
+    p.write_text(json.dumps(recs))
+    rep = ImportReport("sharegpt", "")
+    t = import_sharegpt(p, tokenizer=tokenizer, report=rep)
+    poisson = import_sharegpt(p, tokenizer=tokenizer, arrivals="poisson")
+    first = [x.arrival_s for x in t.turns if x.turn == 0]
+    assert first == [0.0, 0.0, 0.5]  # one instant in two zones, then a zone-less time read as UTC
+    assert [x.think_time_s for x in t.turns] == [x.think_time_s for x in poisson.turns]
+    assert [x.arrival_s for x in poisson.turns if x.turn == 0] != first
+    assert rep.facts["timestamp_span_s"] == 0.5 and any("timestamp" in n for n in rep.notes)
+    recs[0]["timestamp"] = "2023-04-09T01:02:53Z"  # an hour after recs[1] (00:02:53 UTC)
+    recs[2]["timestamp"] = 1681002173.25  # epoch seconds: 01:02:53.25 UTC
+    p.write_text(json.dumps(recs[::-1]))  # file order is not time order
+    t = import_sharegpt(p, tokenizer=tokenizer)
+    assert sorted(x.arrival_s for x in t.turns if x.turn == 0) == [0.0, 3600.0, 3600.25]
+    recs[1].pop("timestamp")
+    p.write_text(json.dumps(recs))
+    rep = ImportReport("sharegpt", "")
+    t2 = import_sharegpt(p, tokenizer=tokenizer, report=rep)
+    assert [x.arrival_s for x in t2.turns] == [x.arrival_s for x in poisson.turns]
+    assert any("2 of 3 conversations have a timestamp" in n for n in rep.notes)
+    with pytest.raises(InputError) as e:
+        import_sharegpt(p, tokenizer=tokenizer, arrivals="timestamp")
+    assert (e.value.field, e.value.line) == ("timestamp", 1)  # the array's records all start on its one line
+    recs[1]["timestamp"] = "yesterday-ish"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(InputError) as e:
+        import_sharegpt(p, tokenizer=object())  # a bad timestamp is found before the tokenizer is used
+    assert (e.value.line, e.value.field) == (2, "timestamp") and "yesterday-ish" in e.value.message
 
 
 @pytest.mark.parametrize("text,line,field,frag", [

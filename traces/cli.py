@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     sg = sp["sharegpt"]
     sg.add_argument("--seed", type=int, default=0, help="seed of the generated arrivals and think times")
     sg.add_argument("--rate", type=_positive_float("--rate"), default=1.0, help="sessions per second (Poisson)")
+    sg.add_argument("--arrivals", choices=("auto", "timestamp", "poisson"), default="auto",
+                    help="session arrivals from each record's `timestamp` (WildChat) or a seeded Poisson process at "
+                         "--rate; auto: timestamps when every conversation has one (default)")
     sg.add_argument("--think-time", default="lognormal:60:1.0:2:900", help="think time distribution (s)")
     sg.add_argument("--keep-text", action="store_true", help="store each turn's prompt text in `text`")
 
@@ -255,7 +258,7 @@ def _cmd_import(a) -> int:
         opts = dict(log_type=a.log_type, zero=a.zero, limit=a.limit)
     else:
         opts = dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text, limit=a.limit,
-                    progress=sys.stderr.isatty())
+                    progress=sys.stderr.isatty(), arrivals=a.arrivals)
     t = _windowed(import_trace(a.format, a.input, report=rep, **opts), a)
     save_trace(t, a.output)
     cont = sum(1 for x in t.turns if x.turn > 0)

@@ -1,4 +1,4 @@
-"""Import ShareGPT-style conversations (real turn structure) with SmolLM2 token counts and seeded arrivals.
+"""Import ShareGPT-style conversations (real turn structure) with SmolLM2 token counts, arrivals from the data or seeded.
 
 Schema (FastChat's ShareGPT format, e.g. ``ShareGPT_V3_unfiltered_cleaned_split.json`` of the Hugging Face
 dataset anon8231489123/ShareGPT_Vicuna_unfiltered, used by vLLM's and SGLang's serving benchmarks): a JSON array
@@ -17,8 +17,9 @@ encoded with the project's SmolLM2 tokenizer (tangram/tokenizer.py); a turn's ne
 starting inside its prompt span, its output the tokens starting inside its answer span, so a session's context
 is exactly the token count of the rendered conversation. No default system prompt is added.
 
-Arrival times are not in the data: sessions arrive as a seeded Poisson process (``rate`` sessions/s, in file
-order) and think times are seeded draws from a distribution spec (generate.Dist).
+Arrival times: WildChat's records carry the conversation's ``timestamp``, used when every conversation has one
+(``arrivals``); otherwise (ShareGPT, LMSYS-Chat-1M) sessions arrive as a seeded Poisson process (``rate``
+sessions/s, in file order). Think times are seeded draws from a distribution spec (generate.Dist) either way.
 """
 from __future__ import annotations
 
@@ -195,21 +196,49 @@ def _counts(enc, spans) -> list[tuple[int, int]]:
     return out
 
 
+ARRIVALS = ("auto", "timestamp", "poisson")
+
+
+def _timestamps(p: str, stamps: list[tuple[int, object]]) -> np.ndarray:
+    """Seconds of each record's ``timestamp`` (ISO 8601 / ``2023-04-09 00:02:53+00:00`` text, read as UTC when it
+    names no zone, or a number of seconds since the epoch); the first bad one is an error at its line."""
+    import pandas as pd
+
+    out = np.empty(len(stamps))
+    for j, (line, v) in enumerate(stamps):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[j] = float(v)
+            continue
+        t = pd.to_datetime(v, utc=True, errors="coerce") if isinstance(v, str) and v.strip() else None
+        if t is None or pd.isna(t):
+            raise InputError(p, line, "timestamp", f"not a date-time or epoch seconds: {v!r}"[:120])
+        out[j] = t.value / 1e9
+    return out
+
+
 def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEFAULT_RATE,
                     think_time: str | Dist = DEFAULT_THINK, keep_text: bool = False, limit: int | None = None,
-                    tokenizer=None, progress: bool = False, report: ImportReport | None = None) -> Trace:
-    """Sessions with the data's real turns; token counts from the SmolLM2 tokenizer; seeded arrivals.
+                    tokenizer=None, progress: bool = False, report: ImportReport | None = None,
+                    arrivals: str = "auto") -> Trace:
+    """Sessions with the data's real turns; token counts from the SmolLM2 tokenizer; arrivals from the records'
+    ``timestamp`` (WildChat's: the conversation's start) or a seeded Poisson process.
 
     ``keep_text`` stores each turn's prompt (its ChatML text) in ``text`` for the real engine. ``limit`` keeps
-    the first N conversations of the file (skipped ones included in the count).
+    the first N conversations of the file (skipped ones included in the count). ``arrivals``: ``timestamp`` (every
+    record must have one), ``poisson`` (``rate`` sessions/s in file order) or ``auto`` (timestamps when every
+    importable record has one, else Poisson, the report saying which and why).
     """
     p = str(path)
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate must be > 0 sessions/s, got {rate!r}")
+    if arrivals not in ARRIVALS:
+        raise ConfigError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
     think = Dist.parse(think_time, "--think-time")
     rep = report if report is not None else ImportReport("sharegpt", p)
     rep.format, rep.source = "sharegpt", p
     convs: list[tuple[int, str, str, list]] = []  # (line, id, text, spans)
+    stamps: list[tuple[int, object]] = []  # (line, timestamp) of the importable records that have one
+    unstamped = None  # the line of the first importable record without one
     leading = trailing = 0
     for line, obj in iter_json_documents(p):
         if limit is not None and rep.rows >= limit:
@@ -236,8 +265,21 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
         last_answer = max(i for i, (ro, _) in enumerate(roles) if ro == "assistant")
         trailing += any(ro == "user" for ro, _ in roles[last_answer + 1:])
         convs.append((line, cid, r[0], r[1]))
+        if obj.get("timestamp") is not None:
+            stamps.append((line, obj["timestamp"]))
+        elif arrivals == "timestamp":
+            raise InputError(p, line, "timestamp", "missing (--arrivals timestamp needs one on every conversation)")
+        elif unstamped is None:
+            unstamped = line
     if not convs:
         raise InputError(p, None, None, "no importable conversations (" + "; ".join(rep.lines()) + ")")
+    arr = None
+    if arrivals != "poisson" and stamps and len(stamps) == len(convs):
+        ts = _timestamps(p, stamps)
+        arr = ts - ts.min()
+    elif arrivals == "auto" and stamps:
+        rep.notes.append(f"{len(stamps)} of {len(convs)} conversations have a timestamp (none at line {unstamped}): "
+                         "arrivals generated instead")
     if tokenizer is None:  # after validating the input: loading the GGUF takes seconds
         from tangram.tokenizer import load_tokenizer
 
@@ -245,8 +287,9 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
     tok = tokenizer.tok
     rng = np.random.default_rng(seed)
     n_turns = sum(len(c[3]) for c in convs)
-    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, len(convs) - 1))])
-    thinks = np.round(think.sample(rng, n_turns), 3)
+    gen = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate, len(convs) - 1))])  # drawn either way:
+    thinks = np.round(think.sample(rng, n_turns), 3)  # a seed's think times do not depend on where arrivals come from
+    arrivals_s = gen if arr is None else arr
     turns: list[Turn] = []
     k_think = 0
     bar = None
@@ -265,7 +308,7 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
                     meta["x_id"] = cid
                 txt = text[p0:a0] if keep_text else None
                 if k == 0:
-                    t = Turn(default_request_id(sid, 0), sid, 0, round(float(arrivals[b0 + j]), 6), 0.0,
+                    t = Turn(default_request_id(sid, 0), sid, 0, round(float(arrivals_s[b0 + j]), 6), 0.0,
                              max(new, 1), max(out, 1), text=txt, meta=meta)
                 else:
                     t = Turn(default_request_id(sid, k), sid, k, None, float(thinks[k_think]), max(new, 1),
@@ -279,7 +322,12 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
     rep.facts.update({"conversations": len(convs), "sessions": len(convs), "turns": len(turns),
                       "conversations_opening_with_an_answer": leading,
                       "conversations_ending_with_an_unanswered_message": trailing})
-    rep.notes.append(f"arrivals are not in the data: seeded Poisson sessions at {rate:g}/s (seed {seed}), think "
-                     f"time {think}")
+    if arr is None:
+        rep.notes.append(f"arrivals are not in the data: seeded Poisson sessions at {rate:g}/s (seed {seed}), think "
+                         f"time {think}")
+    else:
+        rep.facts["timestamp_span_s"] = round(float(arr.max()), 3)
+        rep.notes.append(f"arrivals: each conversation's timestamp, from the earliest (span {float(arr.max()):.6g} s); "
+                         f"later turns: think time {think} (seed {seed}), not in the data")
     rep.notes.append("token counts: ChatML rendering encoded with the SmolLM2 GGUF tokenizer")
     return Trace(turns, f"sharegpt:{p}")
