@@ -264,6 +264,12 @@ def test_sharegpt_arrivals_from_the_records_timestamps(tokenizer, tmp_path):
     p.write_text(json.dumps(recs[::-1]))  # file order is not time order
     t = import_sharegpt(p, tokenizer=tokenizer)
     assert sorted(x.arrival_s for x in t.turns if x.turn == 0) == [0.0, 3600.0, 3600.25]
+    recs[2]["timestamp"] = 1681002173250  # the same in milliseconds (pandas' and Hugging Face's JSON export)
+    p.write_text(json.dumps(recs[::-1]))
+    rep = ImportReport("sharegpt", "")
+    t = import_sharegpt(p, tokenizer=tokenizer, report=rep)
+    assert sorted(x.arrival_s for x in t.turns if x.turn == 0) == [0.0, 3600.0, 3600.25]
+    assert any("(ISO 8601/ms)" in n for n in rep.notes)
     recs[1].pop("timestamp")
     p.write_text(json.dumps(recs))
     rep = ImportReport("sharegpt", "")

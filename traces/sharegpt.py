@@ -199,21 +199,39 @@ def _counts(enc, spans) -> list[tuple[int, int]]:
 ARRIVALS = ("auto", "timestamp", "poisson")
 
 
-def _timestamps(p: str, stamps: list[tuple[int, object]]) -> np.ndarray:
-    """Seconds of each record's ``timestamp`` (ISO 8601 / ``2023-04-09 00:02:53+00:00`` text, read as UTC when it
-    names no zone, or a number of seconds since the epoch); the first bad one is an error at its line."""
+def _timestamps(p: str, stamps: list[tuple[int, object]]) -> tuple[np.ndarray, str]:
+    """Seconds of each record's ``timestamp`` and how they were read. Text: ISO 8601 (``2023-04-09 00:02:53+00:00``,
+    ``...T00:02:53.123Z``; read as UTC when it names no zone). Numbers: since the epoch, in the unit their size
+    implies (seconds below 1e11, i.e. before the year 5138; milliseconds, as pandas' and Hugging Face's JSON export
+    writes date-times, below 1e14; microseconds below 1e17; else nanoseconds), or seconds from any origin when small.
+    The first value that is neither is an error at its line."""
     import pandas as pd
 
     out = np.empty(len(stamps))
-    for j, (line, v) in enumerate(stamps):
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out[j] = float(v)
-            continue
-        t = pd.to_datetime(v, utc=True, errors="coerce") if isinstance(v, str) and v.strip() else None
-        if t is None or pd.isna(t):
-            raise InputError(p, line, "timestamp", f"not a date-time or epoch seconds: {v!r}"[:120])
-        out[j] = t.value / 1e9
-    return out
+    num = [j for j, (_, v) in enumerate(stamps) if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    txt = [j for j, (_, v) in enumerate(stamps) if isinstance(v, str) and v.strip()]
+    units = set()
+    if num:
+        x = np.array([float(stamps[j][1]) for j in num])
+        bad = ~np.isfinite(x)
+        if bad.any():
+            line, v = stamps[num[int(np.argmax(bad))]]
+            raise InputError(p, line, "timestamp", f"not a finite number: {v!r}")
+        scale = np.select([np.abs(x) < 1e11, np.abs(x) < 1e14, np.abs(x) < 1e17], [1.0, 1e-3, 1e-6], 1e-9)
+        units = {{1.0: "s", 1e-3: "ms", 1e-6: "us", 1e-9: "ns"}[u] for u in np.unique(scale).tolist()}
+        out[num] = x * scale
+    if txt:
+        t = pd.to_datetime(pd.Series([stamps[j][1] for j in txt]), utc=True, errors="coerce", format="ISO8601")
+        bad = t.isna().to_numpy()
+        if bad.any():
+            line, v = stamps[txt[int(np.argmax(bad))]]
+            raise InputError(p, line, "timestamp", f"not an ISO 8601 date-time: {v!r}"[:120])
+        out[txt] = (t - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy()  # whatever unit pandas chose
+        units.add("ISO 8601")
+    if len(num) + len(txt) < len(stamps):
+        line, v = next(stamps[j] for j in sorted(set(range(len(stamps))) - set(num) - set(txt)))
+        raise InputError(p, line, "timestamp", f"expected a date-time text or a number, got {v!r}"[:120])
+    return out, "/".join(sorted(units))
 
 
 def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEFAULT_RATE,
@@ -275,7 +293,7 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
         raise InputError(p, None, None, "no importable conversations (" + "; ".join(rep.lines()) + ")")
     arr = None
     if arrivals != "poisson" and stamps and len(stamps) == len(convs):
-        ts = _timestamps(p, stamps)
+        ts, how = _timestamps(p, stamps)
         arr = ts - ts.min()
     elif arrivals == "auto" and stamps:
         rep.notes.append(f"{len(stamps)} of {len(convs)} conversations have a timestamp (none at line {unstamped}): "
@@ -327,7 +345,7 @@ def import_sharegpt(path: str | os.PathLike, *, seed: int = 0, rate: float = DEF
                          f"time {think}")
     else:
         rep.facts["timestamp_span_s"] = round(float(arr.max()), 3)
-        rep.notes.append(f"arrivals: each conversation's timestamp, from the earliest (span {float(arr.max()):.6g} s); "
-                         f"later turns: think time {think} (seed {seed}), not in the data")
+        rep.notes.append(f"arrivals: each conversation's timestamp ({how}), from the earliest (span "
+                         f"{float(arr.max()):.6g} s); later turns: think time {think} (seed {seed}), not in the data")
     rep.notes.append("token counts: ChatML rendering encoded with the SmolLM2 GGUF tokenizer")
     return Trace(turns, f"sharegpt:{p}")
