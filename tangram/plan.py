@@ -41,7 +41,9 @@ class StepPlan:
     # shared-prefix chain the chain's content id, so equal prefixes realise equal keeps (None: prefill_ids)
     prefill_key: np.ndarray | None = None
     # shared prefixes, copy-on-write: before this step's forward the executor copies page copy_src[i] (every layer
-    # and head it spans) onto copy_dst[i], one index copy (int64 page ids; empty when nothing is copied)
+    # and head it spans) onto copy_dst[i], one index copy (int64 page ids; empty when nothing is copied; copy_dst is
+    # -1 where the block table names pages only where read, BlockTable(private_ids=False): the simulator's executor
+    # prices copies by count and reads no id)
     copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 

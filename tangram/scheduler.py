@@ -527,7 +527,10 @@ class Scheduler:
             self._head_tokens += int(last.lens.sum())
             if last.tail_ids.size:  # copy-on-write: its own copy of the partial pages after the shared ones (their
                 self.bt.ensure(np.array([row]), tl0[None])  # pin, taken above, lasts until the copy step has run)
-                req.pending_copy = (last.tail_ids, self.bt.row_ids(row, last.stable, last.stable + last.tail_cnt))
+                # the copies' own pages by id where the executor copies (the simulator prices them by count: -1)
+                dst = self.bt.row_ids(row, last.stable, last.stable + last.tail_cnt) if self.bt.private_ids else \
+                    np.full(int(last.tail_cnt.sum()), -1, dtype=np.int64)
+                req.pending_copy = (last.tail_ids, dst)
             req.units = list(units)
         else:
             row = self.bt.acquire_row()

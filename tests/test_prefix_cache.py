@@ -251,6 +251,28 @@ def test_hit_is_capped_before_the_last_prompt_token():
     assert plans[0].prefill_start.tolist() == [104]
 
 
+def test_copy_on_write_without_page_ids_is_the_same_copies_by_count():
+    """With page ids only where read (the simulator's block table) a hit's copies name no destination (-1: the
+    cost model prices them by count), and every count of the step is what the table with ids gives."""
+    eng = EngineConfig(mode="br", page_size=4, chunk_size=16, max_batched_tokens=64, heads_per_group=1)
+    chain = (("sys", 32),)
+    out = {}
+    for private in (True, False):
+        s = Scheduler(tiny_model(1, 2), eng, fixed_profile([[0.25, 0.5]]), num_pages=100, private_ids=private)
+        serve(s, 0, "a", 48, 2, chain)
+        s.add_request(1, "b", 40, 2, prefix=chain)
+        plan = s.schedule()
+        assert plan.copy_src.size == plan.copy_dst.size == 2
+        assert (plan.copy_dst >= 0).all() if private else (plan.copy_dst == -1).all()
+        s.update(plan, StepResult(plan.step, 0.0))
+        while s.has_work():
+            step(s)
+        check_invariants(s, reserve_check=True)
+        out[private] = (plan.counters, s.pool.n_used, s.stats.pages_allocated, s.stats.pages_freed,
+                        s.stats.page_copies)
+    assert out[True] == out[False]
+
+
 @pytest.mark.parametrize("mode,copies", [("br", 2), ("br+rp", 0)])
 def test_copy_on_write_of_partial_pages(mode, copies):
     # Two heads with budgets 1/4 and 1/2, C = 16, P = 4; the chain is 32 tokens = two chunks.
