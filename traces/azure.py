@@ -15,30 +15,12 @@ from __future__ import annotations
 
 import os
 import re
-from datetime import datetime, timezone
-
-from tangram.errors import InputError
 
 from .format import Trace
-from .importing import ImportReport, check_policy, iter_csv, one_turn_sessions, parse_int, zero_tokens
+from .importing import (ImportReport, check_policy, iter_csv, one_turn_sessions, parse_datetime, parse_int,
+                        zero_tokens)
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_FRACTION = re.compile(r"(\.\d{6})\d+")  # keep microseconds: 2023 rows have 7 fractional digits
-
-
-def parse_datetime(path: str, line: int, fld: str, s: str) -> datetime:
-    """An ISO-like date-time (space or T separator, any number of fractional digits, optional offset) in UTC."""
-    t = _FRACTION.sub(r"\1", s.strip())
-    try:
-        dt = datetime.fromisoformat(t)
-    except ValueError:
-        raise InputError(path, line, fld, f"expected a date-time like 2023-11-16 18:15:46.6805900, got {s!r}") \
-            from None
-    if dt.tzinfo is not None:  # offsets are converted; naive times are taken as UTC
-        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
-    return dt
-
-
 def _meta_key(col: str) -> str:
     return "x_" + re.sub(r"[^0-9a-zA-Z]+", "_", col).strip("_").lower()
 

@@ -15,6 +15,7 @@ from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
 from .format import Trace, save_trace
 from .generate import CATEGORIES, DEFAULT_BURST_CV, DEFAULT_MIX, DEFAULT_RATE, DEFAULTS, Dist, generate
 from .importing import ZERO_POLICIES, ImportReport
+from .sharegpt import ARRIVALS as SHAREGPT_ARRIVALS
 from .stats import DEFAULT_MODEL, sanity_warnings, summary
 
 
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     sg = sp["sharegpt"]
     sg.add_argument("--seed", type=int, default=0, help="seed of the generated arrivals and think times")
     sg.add_argument("--rate", type=_positive_float("--rate"), default=1.0, help="sessions per second (Poisson)")
-    sg.add_argument("--arrivals", choices=("auto", "timestamp", "poisson"), default="auto",
+    sg.add_argument("--arrivals", choices=SHAREGPT_ARRIVALS, default="auto",
                     help="session arrivals from each record's `timestamp` (WildChat) or a seeded Poisson process at "
                          "--rate; auto: timestamps when every conversation has one (default)")
     sg.add_argument("--think-time", default="lognormal:60:1.0:2:900", help="think time distribution (s)")

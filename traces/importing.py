@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import re
 import zlib
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 
 from tangram.errors import InputError
 
@@ -153,6 +155,22 @@ def parse_int(path: str, line: int, fld: str, s: str) -> int:
     if v < 0:
         raise InputError(path, line, fld, f"must be >= 0, got {v}")
     return v
+
+
+_FRACTION = re.compile(r"(\.\d{6})\d+")  # keep microseconds: Azure 2023 rows have 7 fractional digits
+
+
+def parse_datetime(path: str, line: int, fld: str, s: str) -> datetime:
+    """An ISO-like date-time (space or T separator, any number of fractional digits, optional offset) in UTC."""
+    t = _FRACTION.sub(r"\1", s.strip())
+    try:
+        dt = datetime.fromisoformat(t)
+    except ValueError:
+        raise InputError(path, line, fld, f"expected a date-time like 2023-11-16 18:15:46.6805900, got {s!r}") \
+            from None
+    if dt.tzinfo is not None:  # offsets are converted; naive times are taken as UTC
+        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
+    return dt
 
 
 def parse_seconds(path: str, line: int, fld: str, s: str) -> float:

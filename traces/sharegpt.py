@@ -27,6 +27,7 @@ import bisect
 import json
 import math
 import os
+from datetime import datetime
 from typing import Iterator
 
 import numpy as np
@@ -35,7 +36,7 @@ from tangram.errors import ConfigError, InputError
 
 from .format import Trace, Turn, default_request_id
 from .generate import Dist
-from .importing import ImportReport, open_text
+from .importing import ImportReport, open_text, parse_datetime
 
 USER_ROLES = frozenset({"human", "user"})
 ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bing", "bard", "model"})
@@ -199,38 +200,32 @@ def _counts(enc, spans) -> list[tuple[int, int]]:
 ARRIVALS = ("auto", "timestamp", "poisson")
 
 
-def _timestamps(p: str, stamps: list[tuple[int, object]]) -> tuple[np.ndarray, str]:
-    """Seconds of each record's ``timestamp`` and how they were read. Text: ISO 8601 (``2023-04-09 00:02:53+00:00``,
-    ``...T00:02:53.123Z``; read as UTC when it names no zone). Numbers: since the epoch, in the unit their size
-    implies (seconds below 1e11, i.e. before the year 5138; milliseconds, as pandas' and Hugging Face's JSON export
-    writes date-times, below 1e14; microseconds below 1e17; else nanoseconds), or seconds from any origin when small.
-    The first value that is neither is an error at its line."""
-    import pandas as pd
+_EPOCH = datetime(1970, 1, 1)
 
+
+def _timestamps(p: str, stamps: list[tuple[int, object]]) -> tuple[np.ndarray, str]:
+    """Seconds of each record's ``timestamp`` and how they were read. Text: an ISO-like date-time (the Azure
+    importer's :func:`.importing.parse_datetime`: ``2023-04-09 00:02:53+00:00``, ``...T00:02:53.123Z``; UTC when it
+    names no zone). Numbers: since the epoch, in the unit their size implies (seconds below 1e11, i.e. before the
+    year 5138; milliseconds, as pandas' and Hugging Face's JSON export writes date-times, below 1e14; microseconds
+    below 1e17; else nanoseconds), or seconds from any origin when small. The first bad value is an error at its
+    line."""
     out = np.empty(len(stamps))
-    num = [j for j, (_, v) in enumerate(stamps) if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    txt = [j for j, (_, v) in enumerate(stamps) if isinstance(v, str) and v.strip()]
     units = set()
+    num = []
+    for j, (line, v) in enumerate(stamps):
+        if isinstance(v, str):
+            out[j] = (parse_datetime(p, line, "timestamp", v) - _EPOCH).total_seconds()
+            units.add("ISO 8601")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            num.append(j)
+        else:
+            raise InputError(p, line, "timestamp", f"expected a date-time text or a finite number, got {v!r}"[:120])
     if num:
         x = np.array([float(stamps[j][1]) for j in num])
-        bad = ~np.isfinite(x)
-        if bad.any():
-            line, v = stamps[num[int(np.argmax(bad))]]
-            raise InputError(p, line, "timestamp", f"not a finite number: {v!r}")
         scale = np.select([np.abs(x) < 1e11, np.abs(x) < 1e14, np.abs(x) < 1e17], [1.0, 1e-3, 1e-6], 1e-9)
-        units = {{1.0: "s", 1e-3: "ms", 1e-6: "us", 1e-9: "ns"}[u] for u in np.unique(scale).tolist()}
+        units |= {{1.0: "s", 1e-3: "ms", 1e-6: "us", 1e-9: "ns"}[u] for u in np.unique(scale).tolist()}
         out[num] = x * scale
-    if txt:
-        t = pd.to_datetime(pd.Series([stamps[j][1] for j in txt]), utc=True, errors="coerce", format="ISO8601")
-        bad = t.isna().to_numpy()
-        if bad.any():
-            line, v = stamps[txt[int(np.argmax(bad))]]
-            raise InputError(p, line, "timestamp", f"not an ISO 8601 date-time: {v!r}"[:120])
-        out[txt] = (t - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy()  # whatever unit pandas chose
-        units.add("ISO 8601")
-    if len(num) + len(txt) < len(stamps):
-        line, v = next(stamps[j] for j in sorted(set(range(len(stamps))) - set(num) - set(txt)))
-        raise InputError(p, line, "timestamp", f"expected a date-time text or a number, got {v!r}"[:120])
     return out, "/".join(sorted(units))
 
 
