@@ -588,6 +588,14 @@ class ParkedTables:
 CAP_ALIGN = 16  # Triton's integer-specialisation divisor
 
 
+def _runs(starts: np.ndarray, cnt: np.ndarray, total: int) -> np.ndarray:
+    """Flat indices of runs of ``cnt[i]`` consecutive positions from ``starts[i]``, run after run (``total`` =
+    ``cnt.sum()``): runs of a table's columns as one fancy index."""
+    flat = np.repeat(starts - (np.cumsum(cnt) - cnt), cnt)
+    flat += _ramp(total)
+    return flat
+
+
 def _aligned(cap: int) -> int:
     """A table width: a kernel stride, so kept at a multiple of 16. Triton specialises integer arguments on
     "divisible by 16"; a width outside that class compiles the prefill/scatter/decode kernels again inside a timed
@@ -668,10 +676,8 @@ class BlockTable:
             n = self.nids.reshape(-1)
             k = np.flatnonzero(n)
             if k.size:
-                cnt = n[k]
-                ramp = _ramp(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-                pages.reshape(-1)[np.repeat(k * cap, cnt) + ramp] = self.pages.reshape(-1)[np.repeat(k * c0, cnt)
-                                                                                             + ramp]
+                cnt, total = n[k], int(n.sum())
+                pages.reshape(-1)[_runs(k * cap, cnt, total)] = self.pages.reshape(-1)[_runs(k * c0, cnt, total)]
         npages = np.zeros((rows, T), dtype=np.int64)
         npages[:r0] = self.npages
         lens = np.zeros((rows, T), dtype=np.int64)
@@ -717,11 +723,8 @@ class BlockTable:
         if t.size == 0:
             return np.zeros(0, dtype=np.intp)
         cnt = cnt[t]
-        total = int(cnt.sum())
         cap = self.pages.shape[2]
-        flat = np.repeat((row * self.layout.n_tables + t) * cap + lo[t] - (np.cumsum(cnt) - cnt), cnt)
-        flat += _ramp(total)
-        return flat
+        return _runs((row * self.layout.n_tables + t) * cap + lo[t], cnt, int(cnt.sum()))
 
     def materialise(self, row: int, hi: np.ndarray) -> int:
         """Give ids to the row's pages in columns below ``hi`` [T] (<= ``npages``) that have none yet (reserved by
@@ -742,9 +745,7 @@ class BlockTable:
         t = np.flatnonzero(k)
         cnt = k[t]
         base = (row * self.layout.n_tables + t) * cap + nids[t]
-        flat = np.repeat(base - (np.cumsum(cnt) - cnt), cnt)
-        flat += _ramp(total)
-        self.pages.reshape(-1)[flat] = ids
+        self.pages.reshape(-1)[_runs(base, cnt, total)] = ids
         nids += k
         return total
 
@@ -880,8 +881,7 @@ class BlockTable:
         if total == nz.size:  # one page per growing table (every decode step)
             flat = base
         else:  # runs of ``cnt`` consecutive columns, table-major as ``ids``
-            flat = np.repeat(base - (np.cumsum(cnt) - cnt), cnt)
-            flat += _ramp(total)
+            flat = _runs(base, cnt, total)
         self.pages.reshape(-1)[flat] = ids
         if self._writes is not None:
             rt, col = np.divmod(flat, cap)
