@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
-from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
 from tangram.errors import ConfigError
-from tangram.harness.slo import DEFAULT_SLO
+from tangram.harness.slo import DEFAULT_SLO, slo_verdict, verdict_line
 
 DEFAULT_OUT = "tangram-sim-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -101,6 +100,7 @@ def run(args) -> dict:
     from .report import write_report
 
     spec = from_cli(args)
+    out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO
     slo = spec.slo_targets(DEFAULT_SLO if args.capacity else None)
@@ -170,6 +170,8 @@ def run(args) -> dict:
     for mode, m in metrics.items():
         m["peak_kv_gib"] = m["peak_kv_bytes"] / 2**30
         m["run"] = common
+        if slo:  # the verdict at the trace's own load, per term (with --capacity too: the search's first point)
+            m["slo_verdict"] = slo_verdict(m, slo)
         if accuracy is not None:  # measured task accuracy at the mode's kept share
             e = spec.engine
             est = accuracy.estimate(mode, spec.profile, e.alpha, e.rho)
@@ -178,13 +180,16 @@ def run(args) -> dict:
             from tangram.profiles.accuracy import mode_kv_share
             m.update(kv_share=mode_kv_share(mode, spec.profile, spec.engine.alpha, spec.engine.rho), accuracy=None,
                      accuracy_rel=None, accuracy_source=accuracy_label)
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", metrics)
     write_requests_csv(out / "requests.csv", frames)
     write_report(out, metrics, results, curves, common, argv=getattr(args, "_argv", None),
                  plots=not args.no_plots)
     _print_table(metrics, args.capacity)
+    if slo:
+        w = max(len(k) for k in metrics)
+        print(f"SLO at the trace's load ({', '.join(f'{k} <= {v:g} s' for k, v in slo.items())}):")
+        for mode, m in metrics.items():
+            print(f"  {mode:<{w}}  {verdict_line(m['slo_verdict'])}")
     for mode, m in metrics.items():
         if m.get("capacity_note"):
             print(f"{mode}: {m['capacity_note']}")

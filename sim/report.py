@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.metrics import markdown_table, plot_capacity, plot_kv_over_time, plot_latency_cdfs, plot_throughput
+from tangram.harness.slo import verdict_line
 
 REPORT_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation", "preemptions",
@@ -42,6 +43,11 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
     lines += ["Throughput is completed requests over the span from the first arrival to the last finish.",
               "*kv_share*: kept share of the prompt's KV tokens; *accuracy*: measured task accuracy at that share "
               f"({common.get('accuracy') or 'not measured'}).", ""]
+    if any("slo_verdict" in m for m in metrics.values()):
+        slo = ", ".join(f"{k} <= {v:g} s" for k, v in (common.get("slo") or {}).items())
+        lines += [f"SLO at the trace's load ({slo}):", ""]
+        lines += [f"- {mode}: {verdict_line(m['slo_verdict'])}" for mode, m in metrics.items() if "slo_verdict" in m]
+        lines += [""]
     if any("capacity_probes" in m for m in metrics.values()):
         lines += _capacity_section(metrics, common)
     # where the time went

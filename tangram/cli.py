@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from tangram.errors import ConfigError, TangramError
@@ -52,7 +55,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
 
 
 def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a tool's entry point: a user error prints one line to stderr and exits 2; Ctrl-C exits 130."""
+    """Wrap a tool's entry point: a user error prints one line to stderr and exits 2; Ctrl-C exits 130; a reader
+    that closes the pipe early (``tangram-mem | head``) ends the tool quietly, as ``head`` expects."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs) -> int:
@@ -64,9 +68,30 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130)
+        except BrokenPipeError:
+            # stdout's reader is gone: point stdout at /dev/null so the interpreter's final flush cannot raise
+            # again (the Python docs' recipe for SIGPIPE), and exit as a tool cut short by `head` does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise SystemExit(0)
         raise SystemExit(rc or 0)
 
     return wrapper
+
+
+def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """The output folder, created and checked writable now, before any work: a run that ends by failing to write
+    its results (``--out afile/sub``, a read-only place) would throw away everything it computed."""
+    p = Path(path)
+    for parent in (p, *p.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):  # access() can say yes where a write fails (read-only mounts, /proc)
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return p
 
 
 # --------------------------------------------------------------------------- generated options

@@ -159,7 +159,8 @@ class EngineConfig:
     page_size: int = 16
     """tokens per KV page"""
     heads_per_group: int = option(4, aliases=("--hp",))
-    """heads per group H_p of ragged paging (must divide the model's KV heads)"""
+    """heads per group H_p of ragged paging (must divide the model's KV heads; when not given, a tool uses 4 or the
+    largest divisor of the model's KV heads below it, e.g. 3 for SmolLM2's 3)"""
     alpha: float = 2.0
     """safety margin of the static budgets, B = min(1, mu + alpha * sigma) (eq. 5)"""
     rho: float = 0.25
@@ -227,6 +228,9 @@ class EngineConfig:
             raise ConfigError(f"alpha must be >= 0, got {self.alpha}")
         if self.chunk_size <= 0 or self.max_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("chunk_size, max_batched_tokens and max_num_seqs must be positive")
+        if self.max_batched_tokens < self.chunk_size:  # as vLLM: a step's token budget holds at least one chunk
+            raise ConfigError(f"max_batched_tokens ({self.max_batched_tokens}) must be >= chunk_size "
+                              f"({self.chunk_size}): a step's token budget must hold one whole prefill chunk")
         if self.split_rounding not in ("round", "ceil"):
             raise ConfigError(f"split_rounding must be 'round' or 'ceil', got {self.split_rounding!r}")
         if self.decode_partition not in (None, "static", "runtime", "aot"):

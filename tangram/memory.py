@@ -47,7 +47,9 @@ def account(model_name: str, prompts: list[int], profile: BudgetProfile, engine:
         s = Scheduler(model, eng, profile, num_pages=ample)
         rng = np.random.default_rng(seed)
         for i, n in enumerate(prompts):
-            s.add_request(i, f"s{i}", int(n), 1)
+            rejected = s.add_request(i, f"s{i}", int(n), 1)
+            if rejected:  # the scheduler refuses it at intake: zero pages would read as an answer
+                raise ConfigError(f"a {int(n):,}-token prompt: {rejected[0].detail}")
         while s.running or s.waiting:
             plan = s.schedule()
             rk = None
@@ -80,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     e = spec.engine
     if any(t <= 0 for t in a.tokens):
         raise ConfigError("--tokens must be positive")
+    too_long = [t for t in a.tokens if t + 1 > spec.model.max_context]
+    if too_long:  # no request of that length can be served: an answer in pages would be made up
+        raise ConfigError(f"--tokens {too_long[0]}: beyond {spec.model.name}'s context window of "
+                          f"{spec.model.max_context:,} tokens (a prompt and its output token must fit: at most "
+                          f"{spec.model.max_context - 1:,})")
     df = account(spec.model.name, a.tokens, spec.profile, e.with_(mode="tangram"), seed=spec.seed)
     src = spec.profile_label
     if a.json:

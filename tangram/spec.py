@@ -29,8 +29,9 @@ RAGGED_MODES = ("br+rp", "tangram")
 
 def parse_modes(values) -> list[str]:
     """``"full,tangram"`` or ``["full", "br+rp,tangram"]`` -> the distinct modes in order (aliases resolved); none
-    given: every mode."""
-    if not values:
+    given (None, or an empty list): every mode. Values that name no mode (``--mode ''``, ``--mode ,``) are an error,
+    not "every mode": the user asked for something, and running all six silently would not be it."""
+    if values is None or (isinstance(values, (list, tuple)) and not values):
         return list(MODES)
     out: list[str] = []
     for v in [values] if isinstance(values, str) else values:
@@ -45,6 +46,9 @@ def parse_modes(values) -> list[str]:
                 raise ConfigError(f"--mode: unknown mode {m!r}; choose from {', '.join(MODES)}")
             if m not in out:
                 out.append(m)
+    if not out:
+        given = values if isinstance(values, str) else ",".join(values)
+        raise ConfigError(f"--mode: {given!r} names no mode; choose from {', '.join(MODES)}")
     return out
 
 
@@ -245,6 +249,7 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
     or the option."""
     given: dict[str, Any] = {}
     where: dict[str, str] = {}
+    keyed: dict[str, tuple[str, int | None]] = {}  # option -> (the file's key, its line), for errors found later
     for src, items in (("default", defaults), ("option", overrides)):
         for key, value in (items or {}).items():
             name = KEYS.get(key)
@@ -267,33 +272,61 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
                 except ConfigError as e:
                     raise InputError(str(path), line, key, str(e)) from None
                 where[name] = "file"
+                keyed[name] = (key, line)
     try:
-        return _build(given, where, str(path) if path is not None else None)
+        return _build(given, where, str(path) if path is not None else None, keyed)
+    except InputError:
+        raise
     except ConfigError as e:
         if path is not None:
             raise InputError(str(path), None, None, str(e)) from None
         raise
 
 
-def _build(given: dict, where: dict, path: str | None) -> DeploymentSpec:
-    vals = {n: finish(OPTIONS[n], v) for n, v in given.items()}
+def _build(given: dict, where: dict, path: str | None, keyed: dict | None = None) -> DeploymentSpec:
+    def blame(name: str, what: str, cli: str | None = None) -> ConfigError:
+        """An error in option ``name``'s value: named as the config file's key at its line when the file gave it
+        (a file's user never typed ``--hp``), else as the command line's flag (``cli``: the whole message)."""
+        if where.get(name) == "file" and path is not None and keyed and name in keyed:
+            key, line = keyed[name]
+            return InputError(path, line, key, what)
+        return ConfigError(cli or f"{OPTIONS[name].flag}: {what}")
+
+    vals = {}
+    for n, v in given.items():
+        try:
+            vals[n] = finish(OPTIONS[n], v)
+        except InputError:
+            raise
+        except ConfigError as e:
+            msg = str(e)
+            flag = OPTIONS[n].flag
+            raise blame(n, msg[len(flag) + 2:] if msg.startswith(flag + ": ") else msg) from None
     eng = {s.name: vals[s.name] for s in ENGINE_OPTIONS if s.name in vals}
     modes = vals.get("modes")
     if modes and len(modes) == 1:  # a config of one mode: the engine serves in it
         eng["mode"] = modes[0]
-    engine = EngineConfig(**eng)
     kw = {s.name: vals[s.name] for s in SPEC_OPTIONS if s.name in vals}
     model = kw.pop("model", None) or get_model(OPTIONS["model"].default)
+    if "heads_per_group" not in eng:  # the default H_p, or the largest divisor of the model's KV heads below it
+        hp0 = OPTIONS["heads_per_group"].default  # (SmolLM2's 3 KV heads: 3, not an error about 4)
+        eng["heads_per_group"] = max(d for d in range(1, hp0 + 1) if model.num_kv_heads % d == 0)
+    engine = EngineConfig(**eng)
     gpu = kw.pop("gpu", None) or get_gpu(OPTIONS["gpu"].default)
     ragged = engine.ragged_paging or any(m in RAGGED_MODES for m in (modes or MODES))
     if ragged and model.num_kv_heads % engine.heads_per_group:
-        raise ConfigError(f"--hp {engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads")
+        what = f"{engine.heads_per_group} must divide {model.name}'s {model.num_kv_heads} KV heads"
+        raise blame("heads_per_group", what, f"--hp {what}")
     if engine.tp > 1:  # equal KV heads per rank, whole head groups per rank (tangram.placement.check_tp)
-        check_tp(model.num_kv_heads, engine.tp, engine.heads_per_group if ragged else None)
+        try:
+            check_tp(model.num_kv_heads, engine.tp, engine.heads_per_group if ragged else None)
+        except ConfigError as e:
+            raise blame("tp", str(e), str(e)) from None
         for what, v in (("query heads", model.num_q_heads), ("intermediate size", model.intermediate),
                         ("vocabulary", model.vocab)):
             if v % engine.tp:
-                raise ConfigError(f"--tp {engine.tp} must divide {model.name}'s {what} ({v})")
+                msg = f"{engine.tp} must divide {model.name}'s {what} ({v})"
+                raise blame("tp", msg, f"--tp {msg}")
     prof_path = kw.pop("profile", None)
     if prof_path:
         profile = BudgetProfile.load(prof_path)

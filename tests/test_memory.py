@@ -30,3 +30,38 @@ def test_memory_cli_bad_input(capsys):
         main(["--model", "nope"])
     assert e.value.code == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", ["1000000000000", "131072"])
+def test_memory_cli_beyond_the_context_window_is_an_error(capsys, tokens):
+    """A prompt the model cannot hold (with its output token) is an error, not a table of zeros (131,072 is the
+    window itself: the output token does not fit) nor an out-of-memory traceback (10^12)."""
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "llama-3.1-8b", "--tokens", tokens])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--tokens {tokens}: beyond llama-3.1-8b's context window of 131,072 tokens" in err
+    assert err.count("\n") == 1
+
+
+def test_memory_cli_output_cut_by_head_is_quiet():
+    """``tangram-mem | head -1``: the reader closes the pipe; no traceback, exit 0."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(f"{sys.executable} -m tangram.memory --tokens 4000 | head -c 5", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and len(r.stdout) == 5
+    assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
+
+
+def test_memory_cli_smollm2_takes_a_head_group_size_that_divides_its_kv_heads(capsys):
+    """SmolLM2 has 3 KV heads: without --hp the tool uses H_p = 3 (the largest divisor <= the default 4), not an
+    error about H_p = 4; --hp 4 given explicitly is still an error."""
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--tokens", "4000", "--json"])
+    assert e.value.code == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["hp"] == 3
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--tokens", "4000", "--hp", "4"])
+    assert e.value.code == 2 and "--hp 4 must divide smollm2-135m's 3 KV heads" in capsys.readouterr().err

@@ -154,6 +154,102 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("case", ["out_under_a_file", "mode_empty", "mode_comma", "hp_in_file", "tp_in_file",
+                                  "mode_in_file", "budget_below_chunk", "alpha_infinity_in_file",
+                                  "page_size_true_in_file", "alpha_text_in_file", "alpha_nan_flag"])
+def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys, monkeypatch, case):
+    """The bad inputs a new user tried (issue 14, item 5): one line naming the option, or the file, line and key,
+    exit 2, and no simulation run (``simulate`` is replaced by a function that fails the test)."""
+    import tangram.sim.run as run_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("simulated before rejecting the input")
+
+    monkeypatch.setattr(run_mod, "simulate", no_work)
+    good = tmp_path / "t.jsonl"
+    save_trace(_trace(2, seed=1), good)
+    args = [str(good), "--out", str(tmp_path / "o"), "--no-plots"]
+    cfg = tmp_path / "c.json"
+    if case == "out_under_a_file":
+        (tmp_path / "afile").write_text("x")
+        args[2] = str(tmp_path / "afile" / "sub")
+        want = "afile is a file, not a folder"
+    elif case in ("mode_empty", "mode_comma"):
+        args += ["--mode", "" if case == "mode_empty" else ","]
+        want = "--mode: " + ("''" if case == "mode_empty" else "','") + " names no mode"
+    elif case == "hp_in_file":  # a config file's key is named as the key at its line, not as the flag --hp
+        cfg.write_text('{\n  "model": "llama-3.1-8b",\n  "heads_per_group": 3\n}\n')
+        args += ["--config", str(cfg)]
+        want = "c.json:3: heads_per_group: 3 must divide llama-3.1-8b's 8 KV heads"
+    elif case == "tp_in_file":
+        cfg.write_text('{"tp": 3}')
+        args += ["--config", str(cfg)]
+        want = "c.json:1: tp: tp=3 must divide the 8 KV heads"
+    elif case == "mode_in_file":
+        cfg.write_text('{\n"mode": "turbo"}')
+        args += ["--config", str(cfg)]
+        want = "c.json:2: mode: unknown mode 'turbo'"
+    elif case == "budget_below_chunk":
+        args += ["--max-batched-tokens", "100"]
+        want = "max_batched_tokens (100) must be >= chunk_size (2048)"
+    elif case == "alpha_infinity_in_file":
+        cfg.write_text('{"alpha": Infinity}')
+        args += ["--config", str(cfg)]
+        want = "c.json:1: alpha: expected a finite number"
+    elif case == "page_size_true_in_file":
+        cfg.write_text('{"page_size": true}')
+        args += ["--config", str(cfg)]
+        want = "c.json:1: page_size: expected an integer, got true"
+    elif case == "alpha_text_in_file":
+        cfg.write_text('{"alpha": "two"}')
+        args += ["--config", str(cfg)]
+        want = 'c.json:1: alpha: expected a number, got "two"'
+    else:
+        args += ["--alpha", "nan"]
+        want = "argument --alpha: expected a finite number, got 'nan'"
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and want in err, err
+    assert not (tmp_path / "o").exists() or case == "out_under_a_file"
+
+
+def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
+    """--out where nothing can be written (a path under /proc) fails before simulating, not after."""
+    good = tmp_path / "t.jsonl"
+    save_trace(_trace(2, seed=1), good)
+    with pytest.raises(SystemExit) as e:
+        main([str(good), "--out", "/proc/tangram-nope/sub", "--no-plots", "--mode", "tangram"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out /proc/tangram-nope/sub: cannot write there" in err and err.count("\n") == 1, err
+
+
+def test_slo_without_capacity_prints_each_terms_verdict(tmp_path, capsys):
+    """``--slo`` alone: every mode's verdict at the trace's load, per term, on stdout, in metrics.json and the
+    report; one bound loose and one impossible, so both outcomes show."""
+    good = tmp_path / "t.jsonl"
+    save_trace(_trace(3, seed=2), good)
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main([str(good), "--out", str(out), "--no-plots", "--mode", "tangram,full", "--slo",
+              "ttft_p99=1000s,tpot_p99=1ms"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "SLO at the trace's load (ttft_p99 <= 1000 s, tpot_p99 <= 0.001 s):" in text
+    m = json.loads((out / "metrics.json").read_text())
+    verdicts = text.split("SLO at the trace's load", 1)[1].splitlines()[1:3]
+    for mode in ("tangram", "full"):
+        v = m[mode]["slo_verdict"]
+        assert v["terms"]["ttft_p99"]["met"] is True and v["terms"]["tpot_p99"]["met"] is False
+        assert v["terms"]["tpot_p99"]["measured_s"] == pytest.approx(m[mode]["tpot_p99_s"])
+        assert v["met"] is False
+        line = next(ln for ln in verdicts if ln.strip().startswith(mode + " "))
+        assert "MISSED" in line and "tpot_p99" in line and "(missed)" in line
+    assert "SLO at the trace's load" in (out / "report.md").read_text()
+
+
 def test_parse_slo():
     assert parse_slo("ttft_p99=2s, tpot_p99=100ms") == {"ttft_p99": 2.0, "tpot_p99": 0.1}
     for bad in ["", "ttft=2s", "ttft_p99=-1s", "ttft_p99"]:

@@ -106,9 +106,10 @@ def test_tune_writes_a_config_tangram_sim_accepts(tmp_path, tiny_trace):
     (["--slo", "ttft_p99=fast"], "--slo"),
     (["--storage", "nosuchdb://x"], "--storage"),
     (["--model", "gpt-9"], "unknown model"),
+    (["--out", "/proc/tangram-nope"], "--out /proc/tangram-nope: cannot write there"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, tiny_trace, args, needle):
-    r = _tune([str(tiny_trace), "--out", str(tmp_path / "o"), "--objective-fast", *args])
+    r = _tune([str(tiny_trace), "--out", str(tmp_path / "o"), "--objective-fast", *args])  # (a later --out wins)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

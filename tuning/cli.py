@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from tangram.cli import add_sweep, cli_main, from_cli, parse, spec_overrides, spec_parser
+from tangram.cli import add_sweep, cli_main, from_cli, output_dir, parse, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
 
@@ -133,8 +133,7 @@ def run(args, argv: list[str]) -> int:
     from .study import make_sampler, make_storage, n_complete, open_study
 
     ev, space, setup, spec = _build(args)
-    out = Path(spec.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(spec.out)
     url = args.storage or f"sqlite:///{(out / 'study.db').resolve()}"
     storage = make_storage(url, args.heartbeat or None, args.grace)
     spawned = args.no_report and args.worker_index is not None

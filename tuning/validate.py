@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.cli import cli_main, from_cli, parse, spec_overrides, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.sim.engine_overhead import TERM_KEYS
 
@@ -138,7 +138,7 @@ def run(a) -> dict:
     probe_arg = getattr(a, "probe", None)
     if predict_only and probe_arg == "run":
         raise ConfigError("--predict-only takes a probe FILE, not a probe run (it uses no device)")
-    out = Path(a.out)
+    out = output_dir(a.out)  # before any run: an unwritable --out must not throw the measurements away
     resolved = []
     for path in a.configs:  # each config under the command line's options
         spec = from_cli(a, config=path)

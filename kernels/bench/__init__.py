@@ -32,7 +32,7 @@ import torch
 
 from tangram.config import get_model
 from tangram.errors import ConfigError
-from tangram.cli import Parser, cli_main
+from tangram.cli import Parser, cli_main, output_dir
 from tangram.kernels import decode as dec
 from tangram.planner import DecodeCosts, tables_dir
 
@@ -53,8 +53,7 @@ class Bench(Checks, Headline, Sweeps):
         props = torch.cuda.get_device_properties(self.dev)
         self.props = props
         self.num_sms = props.multi_processor_count
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = output_dir(args.out)
         self.deadline = T0 + args.budget_s
         self.meta = {
             "gpu_name": props.name, "sm_count": self.num_sms, "l2_bytes": getattr(props, "L2_cache_size", None),

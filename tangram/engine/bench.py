@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 
-from tangram.cli import cli_main, from_cli, parse, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
 from tangram.errors import ConfigError
 
 DEFAULT_OUT = "tangram-bench-out"
@@ -309,7 +309,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
         from tangram.engine.tp import run_bench
 
         return run_bench(args, spec)
-    trace, modes, out = spec.load_trace(), spec.mode_list, Path(spec.out)
+    out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
+    trace, modes = spec.load_trace(), spec.mode_list
     device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
     mode_runner = run_mode

@@ -44,6 +44,31 @@ def meets_slo(summary: dict, slo: dict[str, float]) -> bool:
     return summary["completed"] > 0
 
 
+def slo_verdict(summary: dict, slo: dict[str, float]) -> dict:
+    """Each SLO term against a run's summary, and the whole: ``{"terms": {key: {"bound_s", "measured_s", "met"}},
+    "load_rejections": n, "met": bool}`` (``met`` is :func:`meets_slo`: every term, no turn lost to load, and
+    something completed). A term the run has no value for (nothing completed) is not met."""
+    terms = {}
+    for k, bound in slo.items():
+        got = summary.get(f"{k}_s")
+        terms[k] = {"bound_s": float(bound), "measured_s": None if got is None else float(got),
+                    "met": got is not None and got <= bound}
+    lost = sum(n for r, n in (summary.get("rejected_reasons") or {}).items()
+               if not r.startswith(LOAD_FREE_REJECTIONS))
+    return {"terms": terms, "load_rejections": int(lost), "met": meets_slo(summary, slo)}
+
+
+def verdict_line(verdict: dict) -> str:
+    """One line for a terminal or a report: ``met`` / ``MISSED`` and every term's measured value and bound."""
+    parts = []
+    for k, t in verdict["terms"].items():
+        got = "n/a" if t["measured_s"] is None else f"{t['measured_s']:.4g} s"
+        parts.append(f"{k} {got} {'<=' if t['met'] else '>'} {t['bound_s']:g} s{'' if t['met'] else ' (missed)'}")
+    if verdict["load_rejections"]:
+        parts.append(f"{verdict['load_rejections']} requests rejected under load (missed)")
+    return ("met" if verdict["met"] else "MISSED") + ": " + "; ".join(parts)
+
+
 DEFAULT_SLO = "ttft_p99=60s,tpot_p99=0.5s"  # tangram-sim --capacity and tangram-tune without --slo
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import ConfigError
-from tangram.cli import Parser, cli_main
+from tangram.cli import Parser, cli_main, output_dir
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import NUMERICS, NUMERICS_DEFAULT, SCOPES, Mode, job_numerics
@@ -878,8 +878,7 @@ def write_report(res: dict, meta: dict, lists: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lists = _resolve_lists(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out)
     if args.report_only:
         f = out / "results.json"
         if not f.is_file():

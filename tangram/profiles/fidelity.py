@@ -39,7 +39,7 @@ from tangram.profiles.scoring import (ChunkScorer, budget_tokens, global_topk_ma
                                          per_head_topk_mask)
 from tangram.engine.model import AttnEvent, Session, TorchAttention
 from tangram.errors import ConfigError
-from tangram.cli import Parser, cli_main
+from tangram.cli import Parser, cli_main, output_dir
 
 OVERFLOW_MIN_CHUNK = 64
 
@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
     args = build_parser().parse_args(argv)
+    output_dir(args.out)  # before the hours of work, not after
     t_start = time.time()
     try:
         rhos = [float(x) for x in args.rhos.split(",")]
