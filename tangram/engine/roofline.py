@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.cli import Parser
+from tangram.cli import Parser, cli_main, output_dir
 
 CATEGORIES = (  # (name, kernel-name pattern), first match wins
     ("decode_attention", r"_decode_split_kernel"),
@@ -230,7 +230,7 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
         from tangram.kernels.decode import DecodeConfig
 
         kw["decode_config"] = DecodeConfig(*map(int, args.decode_tile.split("x")))
-    if "decode_costs" in fields:  # this version's regime routing reads the GPU's decode costs
+    if "decode_costs" in fields and getattr(args, "routing", "costs") == "costs":  # regime routing by the GPU's costs
         from tangram.planner import DecodeCosts
 
         kw["decode_costs"] = DecodeCosts.for_gpu(args.gpu, cfg.name)
@@ -598,6 +598,9 @@ def _parser():
                         "(tangram; both with H_p 4, alpha 2, rho 0.25); repeatable (default: full, tangram)")
     p.add_argument("--model", default="llama-3.1-8b")
     p.add_argument("--gpu", default="h100-80gb", help="GPU preset whose decode costs the split table reads")
+    p.add_argument("--routing", choices=("costs", "alg1"), default="costs",
+                   help="split maps: routed by the --gpu's decode costs (the engine's default), or Algorithm 1 capped "
+                        "per context bucket alone (A/B knob)")
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--contexts", default="2048,8192,32768")
     p.add_argument("--steps", type=int, default=15, help="timed steps per point")
@@ -621,6 +624,7 @@ def _parser():
     return p
 
 
+@cli_main
 def main(argv=None) -> int:
     import torch
 
@@ -640,8 +644,7 @@ def main(argv=None) -> int:
         return 2
     if a.blas != "default":
         torch.backends.cuda.preferred_blas_library(a.blas)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(a.out)
     t0 = time.time()
 
     def log(msg):
@@ -683,4 +686,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
