@@ -56,8 +56,11 @@ def _mode_capacity(trace, spec, mode: str, slo: dict, target, at_load: dict | No
     known = {1.0: at_load} if at_load is not None else None
     cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known)
     if target is not None:
-        per_replica = (cap["max_rate_rps"] or cap.get("lower_bound_rps") or 0.0) / spec.replicas
-        first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
+        if not cap["saturated"]:  # the whole trace at once met the SLO on spec.replicas: start there, search down
+            first = spec.replicas  # (its served rate is no capacity: target / it would start hundreds too high)
+        else:
+            per_replica = (cap["max_rate_rps"] or 0.0) / spec.replicas
+            first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
         cap["replicas"] = replicas_needed(trace, spec, mode, slo, target, first, progress=progress,
                                           fast_forward=fast_forward)
     return cap

@@ -270,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         prof = prof.with_alpha(eng.alpha)
     if a.context <= 0:
         raise ConfigError(f"--context must be positive, got {a.context}")
+    tps = list(a.tp)
+    if not any(x == "--tp" or x.startswith("--tp=") for x in getattr(a, "_argv", [])) and \
+            any(model.num_kv_heads % t for t in tps):  # the default degree (2) does not split this model's KV heads
+        tps = [next((d for d in range(2, model.num_kv_heads + 1) if model.num_kv_heads % d == 0), 1)]  # SmolLM2: 3
     frames = []
-    for tp in a.tp:
+    for tp in tps:
         hp = given.get("heads_per_group") or model.num_kv_heads // max(tp, 1)
         check_tp(model.num_kv_heads, tp, hp)
         frames.append(imbalance_table(prof.B, tp, hp, context=a.context, page_size=eng.page_size,

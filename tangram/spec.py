@@ -52,6 +52,12 @@ def parse_modes(values) -> list[str]:
     return out
 
 
+def _non_negative_seed(v: int) -> int:
+    if v < 0:  # numpy's generators take none below 0 (it was a traceback from inside the profile's draw)
+        raise ConfigError(f"--seed: expected an integer >= 0, got {v}")
+    return v
+
+
 def _tables(v: str):
     if v.lower() == "none":  # roofline only, whatever tables are installed
         return None
@@ -103,7 +109,7 @@ class DeploymentSpec:
     """engine replicas serving the trace"""
     router: str = option("session-affinity", group="replay", choices=ROUTERS)
     """which replica serves a turn"""
-    seed: int = option(0, group="deployment")
+    seed: int = option(0, group="deployment", parse=_non_negative_seed)
     """seed of every random draw: the cost model's, the synthetic profile's, the engine's weights, prompt ids and
     sampling"""
     tables: object = option("auto", group="sim", input=str, optional=False, parse=_tables, aliases=("--calibration",),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -137,6 +138,22 @@ def test_replicas_search_finds_the_fewest(start):
     assert all(p[2] == (p[0] >= 4) for p in out["probes"])
 
 
+@pytest.mark.parametrize("start,answer", [(256, 3), (256, 1), (1, 200), (100, 101), (7, 7), (256, 256)])
+def test_replicas_search_takes_logarithmically_many_replays(start, answer):
+    """A start far from the answer costs O(log) cluster replays, each replay of n replicas, not one replay per
+    replica count in between (a start of 256 for a trace too small to saturate took hours)."""
+    seen = []
+
+    def run_n(trace, n):
+        seen.append(n)
+        return {"ttft_p99_s": 1.0 if n >= answer else 50.0, "completed": 1, "rejected_reasons": {}}
+
+    out = replicas_search(_line_trace(), run_n, {"ttft_p99": 10.0}, 5.0, start)
+    assert out["replicas_needed"] == answer
+    assert answer in seen and (answer == 1 or answer - 1 in seen)
+    assert len(seen) == len(set(seen)) <= 2 * math.ceil(math.log2(256)) + 2, seen
+
+
 def test_replicas_needed_is_simulated_behind_the_router():
     """The count comes from simulating clusters: n replicas meet the SLO at the target rate, n - 1 do not."""
     spec = _spec(router="least-outstanding")
@@ -174,6 +191,19 @@ def test_cli_capacity_default_slo_and_unsaturated_trace(tmp_path, capsys):
     assert m["capacity_saturated"] is False and m["max_rate_rps"] is None
     assert m["run"]["slo"] == parse_slo(DEFAULT_SLO)
     assert "too small to saturate" in (out / "report.md").read_text()
+
+
+def test_cli_replicas_for_a_high_target_on_an_unsaturated_trace_answer_quickly(tmp_path):
+    """A trace too small to saturate and a target far above it: the replica search starts at the spec's replicas
+    (which met the SLO with the whole trace at once), not at target / the burst's served rate (256 replicas,
+    then one replay per count below: hours); the answer is 1 replica after one replay."""
+    tr = generate(3, "short", seed=1, rate=0.5, turns="uniform:1:1", output_tokens="uniform:8:16")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    out = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity", "--target-rate", "1000")
+    m = json.loads((out / "metrics.json").read_text())["tangram"]
+    assert m["capacity_saturated"] is False
+    assert m["replicas_needed"] == 1 and [r[0] for r in m["replicas_probes"]] == [1]
 
 
 def test_cli_no_fast_forward_writes_the_same_metrics(tmp_path):

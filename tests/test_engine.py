@@ -118,6 +118,24 @@ def test_turn_larger_than_the_pool_is_rejected_and_the_rest_completes(tiny):
     assert leak["ok"]
 
 
+def test_cpu_pool_is_capped_by_host_memory_in_its_own_element_size(monkeypatch):
+    """The preset's pool (tens of GiB for an H100) is capped on the CPU at half the memory available, counted in
+    the pool's element size: a float32 pool sized from the bf16 preset asked the CPU for 139 GB."""
+    import os
+
+    from tangram.engine.bench import pool_bytes_for
+
+    model, gpu = get_model("smollm2-135m"), get_gpu("h100")
+    eng = EngineConfig(mode="tangram", heads_per_group=3)
+    page = 4096
+    monkeypatch.setattr(os, "sysconf", lambda k: {"SC_AVPHYS_PAGES": 2 * 2**30 // page, "SC_PAGE_SIZE": page}[k])
+    cpu = torch.device("cpu")
+    assert pool_bytes_for(model, gpu, eng, cpu, elem_bytes=2) == 2**30  # half of 2 GiB, bf16 as the layout counts
+    assert pool_bytes_for(model, gpu, eng, cpu, elem_bytes=4) == 2**29  # float32: the same bytes hold half
+    given = eng.with_(kv_pool_bytes=3 * 2**30)
+    assert pool_bytes_for(model, gpu, given, cpu, elem_bytes=4) == 3 * 2**30  # --kv-pool-gib is taken as given
+
+
 def test_sampling_temperature_top_p():
     from tangram.engine.sampling import Sampler, SamplingParams
 

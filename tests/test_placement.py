@@ -128,3 +128,18 @@ def test_cli(capsys):
         main(["--tp", "3"])
     assert e.value.code == 2
     assert "tp=3 must divide" in capsys.readouterr().err
+
+
+def test_placement_cli_default_degree_for_a_model_it_does_not_split(capsys):
+    """SmolLM2 has 3 KV heads: without --tp the tool compares its smallest valid degree (3), not the default 2 it
+    cannot split them over; --tp 2 given explicitly is still an error naming the valid degrees."""
+    import json
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--context", "4096", "--json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {r["tp"] for r in out["rows"]} == {3}
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m", "--tp", "2"])
+    assert e.value.code == 2 and "valid: 1, 3" in capsys.readouterr().err

@@ -156,7 +156,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
 
 @pytest.mark.parametrize("case", ["out_under_a_file", "mode_empty", "mode_comma", "hp_in_file", "tp_in_file",
                                   "mode_in_file", "budget_below_chunk", "alpha_infinity_in_file",
-                                  "page_size_true_in_file", "alpha_text_in_file", "alpha_nan_flag"])
+                                  "page_size_true_in_file", "alpha_text_in_file", "alpha_nan_flag",
+                                  "seed_negative"])
 def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys, monkeypatch, case):
     """The bad inputs a new user tried (issue 14, item 5): one line naming the option, or the file, line and key,
     exit 2, and no simulation run (``simulate`` is replaced by a function that fails the test)."""
@@ -204,9 +205,12 @@ def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys,
         cfg.write_text('{"alpha": "two"}')
         args += ["--config", str(cfg)]
         want = 'c.json:1: alpha: expected a number, got "two"'
-    else:
+    elif case == "alpha_nan_flag":
         args += ["--alpha", "nan"]
         want = "argument --alpha: expected a finite number, got 'nan'"
+    else:  # was a ValueError traceback from numpy's generator
+        args += ["--seed", "-1"]
+        want = "--seed: expected an integer >= 0, got -1"
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2

@@ -113,6 +113,14 @@ class CostTables:
     # provenance steps already applied to the folder's files when it was read (a folder written by write_tables):
     # the steps after them were applied in memory, and decode_costs() applies them to decode_costs.json
     loaded_steps: int = 0
+    # interpolants built from the frames, per (kind, model shape, op): every replica of a cluster asks for the same
+    # ones (a 256-replica probe built each 256 times). Not copied by derive(): new frames, new interpolants
+    _interps: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _interp(self, key: tuple, build):
+        if key not in self._interps:
+            self._interps[key] = build()
+        return self._interps[key]
 
     @property
     def label(self) -> str:
@@ -264,6 +272,9 @@ class CostTables:
             f"table:decode_attention.csv ({len(rows)} rows, relative LSQ fit a+bytes/BW)"
 
     def gemm_interp(self, model, op: str, n: int, k: int) -> LogInterp1D | None:
+        return self._interp(("gemm", model.name, op, n, k), lambda: self._gemm_interp(model, op, n, k))
+
+    def _gemm_interp(self, model, op: str, n: int, k: int) -> LogInterp1D | None:
         df = self.gemm
         if df is None:
             return None
@@ -275,6 +286,9 @@ class CostTables:
         return LogInterp1D(rows["tokens"].to_numpy(), rows["median_ms"].to_numpy() * 1e-3, monotone=True)
 
     def elementwise_interp(self, model, op: str) -> LogInterp1D | None:
+        return self._interp(("elementwise", model.name, model.hidden, op), lambda: self._elementwise_interp(model, op))
+
+    def _elementwise_interp(self, model, op: str) -> LogInterp1D | None:
         df = self.elementwise
         if df is None:
             return None
@@ -290,7 +304,13 @@ class CostTables:
         return LogInterp1D(rows["tokens"].to_numpy(), rows["median_ms"].to_numpy() * 1e-3, monotone=True)
 
     def prefill_interp(self, model):
-        """2-D interpolant of per-layer chunk attention time over (chunk, retained cached tokens of the layer)."""
+        """2-D interpolant of per-layer chunk attention time over (chunk, retained cached tokens of the layer); one
+        per model shape, shared by every cost model on these tables (its memo of whole calls is exact whoever
+        asks: :meth:`PrefillInterp.__call__`)."""
+        key = ("prefill", model.name, model.num_q_heads, model.num_kv_heads, model.head_dim)
+        return self._interp(key, lambda: self._prefill_interp(model))
+
+    def _prefill_interp(self, model):
         rows = self._model_rows(self.prefill, model)
         if rows is None or len(rows) < 1:
             return None

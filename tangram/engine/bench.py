@@ -64,18 +64,29 @@ def device_dtype(device: str, dtype: str):
     return torch.device(device), dt
 
 
-def pool_bytes_for(model_cfg, gpu, engine, device) -> int:
-    """The preset-derived KV pool, never more than what the device has free now (minus the activation reserve)."""
+def pool_bytes_for(model_cfg, gpu, engine, device, elem_bytes: int | None = None) -> int:
+    """The preset-derived KV pool (bytes at the model's dtype, as the layout counts pages), never more than the
+    device has free now: on CUDA its free memory x ``gpu_memory_utilization`` minus the activation reserve, on the
+    CPU half the memory available now (the host runs more than the engine). ``elem_bytes``: the pool's actual
+    element size (4 when the engine runs in float32, as on the CPU), which the cap is measured in: a float32 pool
+    sized from the GPU preset asked the CPU for 139 GB."""
+    import os
+
     import torch
 
     from tangram.config import kv_pool_bytes
 
     b = kv_pool_bytes(model_cfg, gpu, engine)
-    if device.type == "cuda" and engine.kv_pool_bytes is None:
-        free, _ = torch.cuda.mem_get_info(device)
-        b = min(b, int(free * engine.gpu_memory_utilization) - engine.activation_reserve_bytes)
+    scale = (elem_bytes or model_cfg.dtype_bytes) / model_cfg.dtype_bytes
+    if engine.kv_pool_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            b = min(b, int((free * engine.gpu_memory_utilization - engine.activation_reserve_bytes) / scale))
+        elif device.type == "cpu":
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            b = min(b, int(avail * 0.5 / scale))
     if b <= 0:
-        raise ConfigError("no memory left for the KV pool")
+        raise ConfigError("no memory left for the KV pool (give its size with --kv-pool-gib)")
     return b
 
 
@@ -224,7 +235,7 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     from tangram.harness import Cluster, summarize
 
     engine = spec.engine.with_(mode=mode)
-    pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device)
+    pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device, next(model.parameters()).element_size())
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,

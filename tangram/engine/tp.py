@@ -530,7 +530,7 @@ def serve_tp(trace, spec, mode: str, full_sd: dict, *, dtype, device, options: E
 
     engine = spec.engine.with_(mode=mode)
     tp = engine.tp
-    per_rank = pool_bytes_for(spec.model, spec.gpu, engine, device)
+    per_rank = pool_bytes_for(spec.model, spec.gpu, engine, device, torch.empty((), dtype=dtype).element_size())
     probe = TimedScheduler(spec.model, engine, spec.profile, num_pages=1)
     B = probe.profile.B if probe.profile is not None else None
     n_pages, cap = tp_pool_pages(probe.layout, B, per_rank)

@@ -235,7 +235,8 @@ def replicas_search(trace, run_replicas: Callable[[object, int], dict], slo: dic
                     target_rps: float, start: int, *, max_replicas: int = 256, progress=None) -> dict:
     """Fewest replicas whose cluster (the spec's router included) meets the SLO with the trace scaled to
     ``target_rps``: simulated, not divided from one replica's capacity (routing, session affinity and migration
-    make n replicas serve less than n times one). Steps down from ``start`` while the SLO holds, up while not.
+    make n replicas serve less than n times one). From ``start``, down while the SLO holds or up while not, in
+    growing steps, then bisection (more replicas never serve a rate worse: the search assumes it).
 
     Returns ``replicas_needed`` (None when even ``max_replicas`` miss it), ``scale`` and ``probes``
     ([replicas, TTFT p99 s, meets the SLO, stopped early], by replica count).
@@ -255,20 +256,33 @@ def replicas_search(trace, run_replicas: Callable[[object, int], dict], slo: dic
                 progress(1)
         return seen[n]
 
+    def bisect(miss: int, meet: int) -> int:
+        """The fewest replicas meeting the SLO between a count that missed it and one that met it."""
+        while meet - miss > 1:
+            mid = (miss + meet) // 2
+            miss, meet = (miss, mid) if ok(mid) else (mid, meet)
+        return meet
+
+    # From ``start`` down (it met) or up (it missed) in steps of 1, 2, 4, ... until the outcome flips, then
+    # bisect: O(log) cluster replays whatever the start. A start far above the answer (a trace too small to
+    # saturate gives only a lower bound of one replica's rate) stepped down one replica at a time, each replay
+    # simulating that many replicas: hours for a start of 256.
     n = max(1, min(int(start), max_replicas))
+    step = 1
     if ok(n):
-        while n > 1 and ok(n - 1):
-            n -= 1
         need = n
+        while need > 1:
+            m = max(1, need - step)
+            if not ok(m):
+                need = bisect(m, need)
+                break
+            need, step = m, step * 2
     else:
         need = None
-        step = 1
-        while n < max_replicas:  # grow by 1, 2, 4, ... then close the gap one by one
+        while n < max_replicas:
             m = min(max_replicas, n + step)
             if ok(m):
-                while m - 1 > n and ok(m - 1):
-                    m -= 1
-                need = m
+                need = bisect(n, m)
                 break
             n, step = m, step * 2
     return {"replicas_needed": need, "target_rps": target_rps, "scale": scale,
