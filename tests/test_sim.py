@@ -154,10 +154,27 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, case):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("case", ["out_under_a_file", "mode_empty", "mode_comma", "hp_in_file", "tp_in_file",
-                                  "mode_in_file", "budget_below_chunk", "alpha_infinity_in_file",
-                                  "page_size_true_in_file", "alpha_text_in_file", "alpha_nan_flag",
-                                  "seed_negative"])
+# case -> (command-line arguments, config file text or None, the message's words); a config's errors name the file's
+# key at its line, not the flag (``heads_per_group``, not ``--hp``)
+BAD_INPUTS = {
+    "out_under_a_file": ([], None, "afile is a file, not a folder"),
+    "mode_empty": (["--mode", ""], None, "--mode: '' names no mode"),
+    "mode_comma": (["--mode", ","], None, "--mode: ',' names no mode"),
+    "hp_in_file": ([], '{\n  "model": "llama-3.1-8b",\n  "heads_per_group": 3\n}\n',
+                   "c.json:3: heads_per_group: 3 must divide llama-3.1-8b's 8 KV heads"),
+    "tp_in_file": ([], '{"tp": 3}', "c.json:1: tp: tp=3 must divide the 8 KV heads"),
+    "mode_in_file": ([], '{\n"mode": "turbo"}', "c.json:2: mode: unknown mode 'turbo'"),
+    "budget_below_chunk": (["--max-batched-tokens", "100"], None,
+                           "max_batched_tokens (100) must be >= chunk_size (2048)"),
+    "alpha_infinity_in_file": ([], '{"alpha": Infinity}', "c.json:1: alpha: expected a finite number"),
+    "page_size_true_in_file": ([], '{"page_size": true}', "c.json:1: page_size: expected an integer, got true"),
+    "alpha_text_in_file": ([], '{"alpha": "two"}', 'c.json:1: alpha: expected a number, got "two"'),
+    "alpha_nan_flag": (["--alpha", "nan"], None, "argument --alpha: expected a finite number, got 'nan'"),
+    "seed_negative": (["--seed", "-1"], None, "--seed: expected an integer >= 0, got -1"),  # was numpy's traceback
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys, monkeypatch, case):
     """The bad inputs a new user tried (issue 14, item 5): one line naming the option, or the file, line and key,
     exit 2, and no simulation run (``simulate`` is replaced by a function that fails the test)."""
@@ -169,54 +186,21 @@ def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys,
     monkeypatch.setattr(run_mod, "simulate", no_work)
     good = tmp_path / "t.jsonl"
     save_trace(_trace(2, seed=1), good)
-    args = [str(good), "--out", str(tmp_path / "o"), "--no-plots"]
-    cfg = tmp_path / "c.json"
+    extra, config, want = BAD_INPUTS[case]
+    out = tmp_path / "o"
     if case == "out_under_a_file":
         (tmp_path / "afile").write_text("x")
-        args[2] = str(tmp_path / "afile" / "sub")
-        want = "afile is a file, not a folder"
-    elif case in ("mode_empty", "mode_comma"):
-        args += ["--mode", "" if case == "mode_empty" else ","]
-        want = "--mode: " + ("''" if case == "mode_empty" else "','") + " names no mode"
-    elif case == "hp_in_file":  # a config file's key is named as the key at its line, not as the flag --hp
-        cfg.write_text('{\n  "model": "llama-3.1-8b",\n  "heads_per_group": 3\n}\n')
-        args += ["--config", str(cfg)]
-        want = "c.json:3: heads_per_group: 3 must divide llama-3.1-8b's 8 KV heads"
-    elif case == "tp_in_file":
-        cfg.write_text('{"tp": 3}')
-        args += ["--config", str(cfg)]
-        want = "c.json:1: tp: tp=3 must divide the 8 KV heads"
-    elif case == "mode_in_file":
-        cfg.write_text('{\n"mode": "turbo"}')
-        args += ["--config", str(cfg)]
-        want = "c.json:2: mode: unknown mode 'turbo'"
-    elif case == "budget_below_chunk":
-        args += ["--max-batched-tokens", "100"]
-        want = "max_batched_tokens (100) must be >= chunk_size (2048)"
-    elif case == "alpha_infinity_in_file":
-        cfg.write_text('{"alpha": Infinity}')
-        args += ["--config", str(cfg)]
-        want = "c.json:1: alpha: expected a finite number"
-    elif case == "page_size_true_in_file":
-        cfg.write_text('{"page_size": true}')
-        args += ["--config", str(cfg)]
-        want = "c.json:1: page_size: expected an integer, got true"
-    elif case == "alpha_text_in_file":
-        cfg.write_text('{"alpha": "two"}')
-        args += ["--config", str(cfg)]
-        want = 'c.json:1: alpha: expected a number, got "two"'
-    elif case == "alpha_nan_flag":
-        args += ["--alpha", "nan"]
-        want = "argument --alpha: expected a finite number, got 'nan'"
-    else:  # was a ValueError traceback from numpy's generator
-        args += ["--seed", "-1"]
-        want = "--seed: expected an integer >= 0, got -1"
+        out = tmp_path / "afile" / "sub"
+    args = [str(good), "--out", str(out), "--no-plots", *extra]
+    if config is not None:
+        (tmp_path / "c.json").write_text(config)
+        args += ["--config", str(tmp_path / "c.json")]
     with pytest.raises(SystemExit) as e:
         main(args)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and want in err, err
-    assert not (tmp_path / "o").exists() or case == "out_under_a_file"
+    assert not (tmp_path / "o").exists()
 
 
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
