@@ -63,9 +63,17 @@ def test_fit_predicts_held_out_steps():
     pred = ov.step_s(held[0], 32, *held[2:])
     exact = truth.step_s(held[0], 32, *held[2:])
     assert np.median(np.abs(pred / exact - 1)) < 0.03
-    for k in ("kernel_scale", "compress_scale", "graph_scale"):
+    for k in ("kernel_scale", "compress_scale"):
         assert abs(getattr(ov, k) - getattr(truth, k)) < 0.1 * getattr(truth, k), k
-    assert abs(ov.graph_s - truth.graph_s) < 0.2 * truth.graph_s + 2e-4 and stats["unfitted"] == []
+    # A graphed step costs graph_scale x its kernels + graph_s: along the graphed steps' (narrow) range of kernel
+    # sums the slope and the intercept trade. What the steps pin down is their sum at the mean kernel sum; each
+    # alone is looser (over 1,000 random truths: graph_scale's error p99.9 9.3%, max 11.2%, while the others stay
+    # under 4.3%; graph_s alone missed its bound for 4 truths whose graph_scale was 7-10% off the other way).
+    kbar = float(sum(kern.values())[features[4]].mean())
+    d_scale, d_s = ov.graph_scale - truth.graph_scale, ov.graph_s - truth.graph_s
+    assert abs(d_s + d_scale * kbar) < 0.2 * truth.graph_s + 2e-4
+    assert abs(d_scale) < 0.15 * truth.graph_scale
+    assert abs(d_s) < 0.2 * truth.graph_s + 2e-4 + abs(d_scale) * kbar and stats["unfitted"] == []
     # one shared scale cannot price a step mix it was not fitted on: the split fit can
     one, _ = eo.fit(sum(kern.values()), meas, 32, *features)
     big = {k: v[held[3] == 2] for k, v in held[0].items()}  # two-chunk steps only
