@@ -11,7 +11,7 @@ import sys
 
 from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
 from tangram.errors import ConfigError
-from tangram.harness.slo import DEFAULT_SLO, slo_verdict, verdict_line
+from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
 
 DEFAULT_OUT = "tangram-sim-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -190,7 +190,7 @@ def run(args) -> dict:
     _print_table(metrics, args.capacity)
     if slo:
         w = max(len(k) for k in metrics)
-        print(f"SLO at the trace's load ({', '.join(f'{k} <= {v:g} s' for k, v in slo.items())}):")
+        print(f"SLO at the trace's load ({slo_text(slo)}):")
         for mode, m in metrics.items():
             print(f"  {mode:<{w}}  {verdict_line(m['slo_verdict'])}")
     for mode, m in metrics.items():

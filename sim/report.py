@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.metrics import markdown_table, plot_capacity, plot_kv_over_time, plot_latency_cdfs, plot_throughput
-from tangram.harness.slo import verdict_line
+from tangram.harness.slo import slo_text, verdict_line
 
 REPORT_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation", "preemptions",
@@ -44,8 +44,7 @@ def write_report(out: Path, metrics: dict, results: dict, curves: dict, common: 
               "*kv_share*: kept share of the prompt's KV tokens; *accuracy*: measured task accuracy at that share "
               f"({common.get('accuracy') or 'not measured'}).", ""]
     if any("slo_verdict" in m for m in metrics.values()):
-        slo = ", ".join(f"{k} <= {v:g} s" for k, v in (common.get("slo") or {}).items())
-        lines += [f"SLO at the trace's load ({slo}):", ""]
+        lines += [f"SLO at the trace's load ({slo_text(common.get('slo'))}):", ""]
         lines += [f"- {mode}: {verdict_line(m['slo_verdict'])}" for mode, m in metrics.items() if "slo_verdict" in m]
         lines += [""]
     if any("capacity_probes" in m for m in metrics.values()):
@@ -90,7 +89,7 @@ def _capacity_section(metrics: dict, common: dict) -> list[str]:
     """Capacity search results: the limit and the bracket it lies in, whether the trace saturated the deployment,
     the simulated replicas for the target rate, and every probe (a probe stopped early once its SLO verdict was
     certain shows the TTFT p99 of the turns that had arrived, a lower bound)."""
-    slo = ", ".join(f"{k} <= {v:g} s" for k, v in (common.get("slo") or {}).items())
+    slo = slo_text(common.get("slo"))
     lines = ["## Capacity under the SLO", "", f"SLO: {slo}. The search scales the trace's session arrival rate until "
              "the SLO is met at one load and missed at another, then places replays where a queueing model of the "
              "passing ones predicts the limit; the limit lies in the bracket [met, missed], two replays of the whole "

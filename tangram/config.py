@@ -159,8 +159,8 @@ class EngineConfig:
     page_size: int = 16
     """tokens per KV page"""
     heads_per_group: int = option(4, aliases=("--hp",))
-    """heads per group H_p of ragged paging (must divide the model's KV heads; when not given, a tool uses 4 or the
-    largest divisor of the model's KV heads below it, e.g. 3 for SmolLM2's 3)"""
+    """heads per group H_p of ragged paging (must divide the KV heads of a rank; when not given, a tool uses 4 or the
+    largest divisor below it of a rank's KV heads: 3 for SmolLM2's 3, 1 for Llama-3.1-8B's 8 at --tp 8)"""
     alpha: float = 2.0
     """safety margin of the static budgets, B = min(1, mu + alpha * sigma) (eq. 5)"""
     rho: float = 0.25

@@ -191,3 +191,16 @@ def test_placement_tool_groups_a_ranks_heads_unless_hp_is_given(capsys):
         assert e.value.code == 0
         rows = json.loads(capsys.readouterr().out)["rows"]
         assert [(r["tp"], r["hp"]) for r in rows] == [(2, hps[0]), (2, hps[0]), (4, hps[1]), (4, hps[1])]
+
+
+def test_default_head_group_size_divides_a_ranks_kv_heads():
+    """Without H_p given, 4 or the largest divisor below it of a rank's KV heads (a group lives on one rank): every
+    default deployment is valid; an H_p given that does not divide them is still the error."""
+    assert load(None, {}).engine.heads_per_group == 4
+    assert load(None, {"model": "smollm2-135m"}).engine.heads_per_group == 3
+    assert load(None, {"tp": 4}).engine.heads_per_group == 2
+    assert load(None, {"tp": 8}).engine.heads_per_group == 1
+    with pytest.raises(ConfigError, match="H_p=4 must divide the 1 KV heads of a rank"):
+        load(None, {"tp": 8, "heads_per_group": 4})
+    with pytest.raises(ConfigError, match="--hp 4 must divide smollm2-135m's 3 KV heads"):
+        load(None, {"model": "smollm2-135m", "heads_per_group": 4})

@@ -58,6 +58,11 @@ def slo_verdict(summary: dict, slo: dict[str, float]) -> dict:
     return {"terms": terms, "load_rejections": int(lost), "met": meets_slo(summary, slo)}
 
 
+def slo_text(slo: dict[str, float] | None) -> str:
+    """``ttft_p99 <= 60 s, tpot_p99 <= 0.5 s``: an SLO as reports and the terminal state it."""
+    return ", ".join(f"{k} <= {v:g} s" for k, v in (slo or {}).items())
+
+
 def verdict_line(verdict: dict) -> str:
     """One line for a terminal or a report: ``met`` / ``MISSED`` and every term's measured value and bound."""
     parts = []
