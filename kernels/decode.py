@@ -56,13 +56,19 @@ def _decode_split_kernel(
     HP: tl.constexpr, GQ: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_MODE: tl.constexpr, ITEM_HAS_B: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    ITEM_MAJOR: tl.constexpr = False,
 ):
-    """Stage 1: one program = one (request, slot, split) item."""
-    item = tl.program_id(0)
-    if ITEM_HAS_B:
-        b = tl.load(ITEMS + item * 3 + 2)
+    """Stage 1: one program = one (request, slot, split) item. ``ITEM_MAJOR``: the grid is (requests, items), so
+    the GPU dispatches every request's copy of item 0 first, then item 1, ... (items listed longest first: LPT)."""
+    if ITEM_MAJOR:
+        item = tl.program_id(1)
+        b = tl.program_id(0)
     else:
-        b = tl.program_id(1)
+        item = tl.program_id(0)
+        if ITEM_HAS_B:
+            b = tl.load(ITEMS + item * 3 + 2)
+        else:
+            b = tl.program_id(1)
     slot = tl.load(ITEMS + item * 3)
     split = tl.load(ITEMS + item * 3 + 1)
     g = slot // HP
@@ -180,6 +186,7 @@ class LayerSchedule:
     per_request: bool
     split_mode: int = 0  # 0 page-aligned ranges of the head's own length, 1 fixed chunk_tokens
     chunk_tokens: int = 0
+    item_major: bool = False  # per_request only: grid (B, n) instead of (n, B), items in dispatch order
 
     @property
     def n_items(self) -> int:
@@ -194,14 +201,25 @@ def _slot_items(nsplit_slot: np.ndarray) -> np.ndarray:
     return np.stack([slots, split, np.zeros_like(slots)], axis=1).astype(np.int32)
 
 
-def schedule_from_split_map(split_map, heads_per_group: int, device="cpu") -> LayerSchedule:
-    """Items for one layer from its split map row ``S[l]`` ([G]): every head of group g gets S[l, g] splits."""
+def schedule_from_split_map(split_map, heads_per_group: int, device="cpu", *, lpt_weights=None) -> LayerSchedule:
+    """Items for one layer from its split map row ``S[l]`` ([G]): every head of group g gets S[l, g] splits.
+
+    ``lpt_weights`` ([H], a slot's expected length, e.g. its budget): launch longest first (LPT list scheduling):
+    items sorted by weight / splits, descending, in an item-major grid, so every request's longest pieces are
+    dispatched before any shorter one and the last wave holds the shortest."""
     s = np.asarray(split_map.cpu() if isinstance(split_map, torch.Tensor) else split_map, dtype=np.int64).reshape(-1)
     if s.size == 0 or np.any(s < 1):
         raise ConfigError(f"split map row must be >= 1 for every group, got {s.tolist()}")
     ns = np.repeat(s, heads_per_group)
-    return LayerSchedule(torch.from_numpy(_slot_items(ns)).to(device), torch.from_numpy(ns.astype(np.int32)).to(device),
-                         int(s.max()), per_request=True)
+    items = _slot_items(ns)
+    if lpt_weights is not None:
+        w = np.asarray(lpt_weights, dtype=np.float64).reshape(-1)
+        if w.shape != ns.shape:
+            raise ConfigError(f"lpt_weights: expected {ns.size} slot weights, got {w.size}")
+        piece = (w / ns)[items[:, 0]]
+        items = items[np.argsort(-piece, kind="stable")]
+    return LayerSchedule(torch.from_numpy(items).to(device), torch.from_numpy(ns.astype(np.int32)).to(device),
+                         int(s.max()), per_request=True, item_major=lpt_weights is not None)
 
 
 def static_schedule(num_heads: int, num_splits: int, device="cpu") -> LayerSchedule:
@@ -272,7 +290,8 @@ def launch_decode(q, kv_pool, block_table, head_lens, slot_to_head, sched: Layer
         pl = torch.empty_like(pm)
         pacc = torch.empty((B, H, S, gq, d), device=q.device, dtype=torch.float32)
         spb, sph, sps = pm.stride(0), pm.stride(1), pm.stride(2)
-    grid = (sched.n_items, B) if sched.per_request else (sched.n_items, 1)
+    item_major = sched.per_request and sched.item_major
+    grid = ((B, sched.n_items) if item_major else (sched.n_items, B)) if sched.per_request else (sched.n_items, 1)
     if sched.n_items == 0:
         out.zero_()
         return out
@@ -288,7 +307,7 @@ def launch_decode(q, kv_pool, block_table, head_lens, slot_to_head, sched: Layer
         out.stride(0), out.stride(1),
         HP=heads_per_group, GQ=gq, P=page_size, D=d, BLOCK_M=block_m, BLOCK_N=config.block_n,
         SPLIT_MODE=sched.split_mode, ITEM_HAS_B=not sched.per_request, DIRECT=direct,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, ITEM_MAJOR=item_major,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if config not in _COMPILED and k is not None:

@@ -361,7 +361,17 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def default_heads_per_group(model: ModelConfig, tp: int = 1) -> int:
+    """H_p when none is given: EngineConfig's default (4), or the largest divisor below it of a rank's KV heads
+    (SmolLM2's 3 KV heads: 3; Llama-3.1-8B at tp 8: 1). A tp that does not divide the heads is left to the checks
+    that report it; the model's own heads decide then."""
+    hp0 = EngineConfig.__dataclass_fields__["heads_per_group"].default
+    heads = model.num_kv_heads // tp if tp >= 1 and model.num_kv_heads % tp == 0 else model.num_kv_heads
+    return max(d for d in range(1, hp0 + 1) if heads % d == 0)
+
+
 __all__ = [
     "ModelConfig", "GPUConfig", "EngineConfig", "MODELS", "GPUS", "MODES", "ABLATION_MODES", "PLACEMENTS",
     "get_model", "get_gpu", "gpu_for_device_name", "kv_pool_bytes", "divisors", "ceil_div",
+    "default_heads_per_group",
 ]

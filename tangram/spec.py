@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tangram.budgets import BudgetProfile
-from tangram.config import MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, get_gpu, get_model
+from tangram.config import (MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, default_heads_per_group, get_gpu,
+                            get_model)
 from tangram.errors import ConfigError, InputError
 from tangram.harness.cluster import ROUTERS
 from tangram.harness.slo import parse_slo
@@ -315,9 +316,7 @@ def _build(given: dict, where: dict, path: str | None, keyed: dict | None = None
     kw = {s.name: vals[s.name] for s in SPEC_OPTIONS if s.name in vals}
     model = kw.pop("model", None) or get_model(OPTIONS["model"].default)
     if "heads_per_group" not in eng:  # the default H_p, or the largest divisor below it of a rank's KV heads
-        hp0, tp = OPTIONS["heads_per_group"].default, eng.get("tp", 1)  # (SmolLM2's 3: 3; Llama at --tp 8: 1)
-        heads = model.num_kv_heads // tp if tp >= 1 and model.num_kv_heads % tp == 0 else model.num_kv_heads
-        eng["heads_per_group"] = max(d for d in range(1, hp0 + 1) if heads % d == 0)
+        eng["heads_per_group"] = default_heads_per_group(model, eng.get("tp", 1))  # SmolLM2: 3; Llama at tp 8: 1
     engine = EngineConfig(**eng)
     gpu = kw.pop("gpu", None) or get_gpu(OPTIONS["gpu"].default)
     ragged = engine.ragged_paging or any(m in RAGGED_MODES for m in (modes or MODES))

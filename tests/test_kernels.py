@@ -127,6 +127,35 @@ def test_decode_any_split_map_is_exact(B, Hp, seed, splits, maxlen):
     assert float((o2.double() - ref).abs().max()) < 1e-4
 
 
+@settings(max_examples=6, deadline=None)
+@given(B=st.integers(1, 3), Hp=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),
+       splits=st.lists(st.integers(1, 4), min_size=4, max_size=4), maxlen=st.integers(0, 30))
+def test_decode_longest_first_order_is_the_same_function(B, Hp, seed, splits, maxlen):
+    """Items launched longest first in an item-major grid (LPT order) compute exactly what the request-major
+    launch computes: every (request, slot, split) is still one program, with or without a merge."""
+    from tangram.kernels.decode import launch_decode, schedule_from_split_map
+
+    gen = torch.Generator().manual_seed(seed)
+    H, gq = 4, 2
+    lens = torch.randint(0, maxlen + 1, (B, H), generator=gen).to(torch.int32)
+    pool, bt = _ragged(B, H, Hp, lens, torch.float32, gen)
+    s2h = torch.randperm(H, generator=gen).to(torch.int32)
+    q = torch.randn(B, H * gq, D, generator=gen)
+    ref = ref_paged_decode(q, pool, bt, lens, s2h, page_size=P, heads_per_group=Hp)
+    w = torch.rand(H, generator=gen).numpy()
+    sched = schedule_from_split_map(np.array(splits[: H // Hp]), Hp, lpt_weights=w)
+    assert sched.item_major
+    items = sched.items.numpy()
+    piece = w[items[:, 0]] / sched.nsplit.numpy()[items[:, 0]]
+    assert np.all(np.diff(piece) <= 0), "items not longest first"
+    o = torch.full_like(q, float("nan"))
+    launch_decode(q, pool, bt, lens, s2h, sched, page_size=P, heads_per_group=Hp, out=o)
+    assert torch.isfinite(o).all()
+    assert float((o.double() - ref).abs().max()) < 1e-4
+    with pytest.raises(ConfigError, match="slot weights"):
+        schedule_from_split_map(np.array(splits[: H // Hp]), Hp, lpt_weights=w[:-1])
+
+
 def test_decode_many_splits_merge_in_blocks():
     """More splits than one merge block (16), most of them empty: the merge must still be exact."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -181,6 +210,27 @@ def test_aot_table_is_a_lookup_and_balances():
         assert np.all((Sm == 1) | (Sm <= np.ceil(gmax * c) / 256)), (b, c)
     assert table.lookup(0, 1, 1000).max_splits <= 4
     assert pow2_bucket(1) == 1 and pow2_bucket(5) == 8 and pow2_bucket(64) == 64
+
+
+def test_aot_table_longest_first_order_keeps_the_maps():
+    """order="lpt": the same split maps and items per layer, listed by a piece's budget (slot budget / splits),
+    longest first, in item-major schedules; an unknown order is refused."""
+    prof = synthetic_profile(4, 8, 0.25, seed=int.from_bytes(os.urandom(2), "little"))
+    perm = head_groups(prof.B, 2)
+    req = AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=64, min_split_tokens=256)
+    lpt = AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=64, min_split_tokens=256, order="lpt")
+    Bs = np.take_along_axis(prof.B, perm, 1)
+    for key, S in req.split_maps.items():
+        assert np.array_equal(lpt.split_maps[key], S)
+    for b, c, l in ((1, 1024, 0), (8, 131072, 3), (64, 32768, 2)):
+        a, z = req.lookup(l, b, c), lpt.lookup(l, b, c)
+        assert not a.item_major and z.item_major
+        ia, iz = a.items.numpy(), z.items.numpy()
+        assert sorted(map(tuple, ia)) == sorted(map(tuple, iz))  # the same (slot, split) items
+        piece = Bs[l][iz[:, 0]] / z.nsplit.numpy()[iz[:, 0]]
+        assert np.all(np.diff(piece) <= 0)
+    with pytest.raises(ConfigError, match="launch order"):
+        AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=4, order="longest")
 
 
 def test_occupancy_formula():

@@ -28,3 +28,25 @@ def test_kernel_names_map_to_the_report_categories():
     assert categorize("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert categorize("_silu_mul_kernel") == "activation"
     assert categorize("something_new") == "other"
+
+
+def test_bare_configs_take_the_head_group_size_every_tool_defaults_to():
+    """`--config tangram` on SmolLM2 (3 KV heads) was `H_p=4 must divide ... H=3`: bare names take the default
+    rule (4, or the largest divisor below it of the model's KV heads), a file's heads_per_group still wins."""
+    import types
+
+    from tangram.config import get_model
+    from tangram.engine.roofline import build_config
+
+    args = types.SimpleNamespace(batches=[2], seed=0)
+    assert build_config("tangram", None, get_model("smollm2-135m"), args)[0].heads_per_group == 3
+    assert build_config("paper", None, get_model("llama-3.1-8b"), args)[0].heads_per_group == 4
+    assert build_config("full", None, get_model("llama-3.1-8b"), args)[0].mode == "full"
+
+
+def test_mixed_chunks_and_host_profile_options_parse():
+    from tangram.engine.roofline import _parser
+
+    a = _parser().parse_args(["--out", "x", "--mixed-chunks", "512,2048", "--host-profile", "2",
+                              "--decode-order", "lpt"])
+    assert a.mixed_chunks == "512,2048" and a.host_profile == 2 and a.decode_order == "lpt"

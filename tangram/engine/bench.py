@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-steps", action="store_true",
                    help="asynchronous decode steps: a graphed pure-decode step is planned and launched before the "
                         "previous one's tokens reach the host (ExecutorOptions.async_steps; one GPU only)")
+    p.add_argument("--decode-order", choices=("request", "lpt"), default="request",
+                   help="AOT decode launch order (ExecutorOptions.decode_order): request-major (what the shipped "
+                        "decode costs were fitted on), or the longest pieces first (faster on multi-wave batches: "
+                        "reports/engine/roofline/README.md; the simulator prices request order)")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe, about 20 s; or a probe JSON) and the scales it "
                         "gives the shipped cost tables, in metrics.json and probe.json")
@@ -214,7 +218,8 @@ class TritonCompiles:
 
 def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=None, time_ops: bool = False,
              tokenizer=None, progress=None, warmup: bool = True, dynamic_keep: str = "topk",
-             wrap=None, cuda_graphs: str = "auto", async_steps: bool = False) -> tuple[dict, object, dict]:
+             wrap=None, cuda_graphs: str = "auto", async_steps: bool = False,
+             decode_order: str = "request") -> tuple[dict, object, dict]:
     """Serve the trace in one mode; returns (summary, ClusterResult, leak check).
 
     ``wrap(executor) -> executor-like`` interposes on every step (the engine-overhead calibration records
@@ -223,11 +228,12 @@ def run_mode(trace, spec, mode: str, model, *, device, seed: int = 0, sampling=N
         tc.running = False
         return _run_mode(trace, spec, mode, model, tc, device=device, seed=seed, sampling=sampling,
                          time_ops=time_ops, tokenizer=tokenizer, progress=progress, warmup=warmup,
-                         dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs, async_steps=async_steps)
+                         dynamic_keep=dynamic_keep, wrap=wrap, cuda_graphs=cuda_graphs, async_steps=async_steps,
+                         decode_order=decode_order)
 
 
 def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops, tokenizer, progress, warmup,
-              dynamic_keep, wrap, cuda_graphs, async_steps=False):
+              dynamic_keep, wrap, cuda_graphs, async_steps=False, decode_order="request"):
     import torch
 
     from tangram.engine.executor import Executor, ExecutorOptions, TimedScheduler, TokenSource
@@ -239,7 +245,7 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
-                           async_steps=async_steps,
+                           async_steps=async_steps, decode_order=decode_order,
                            decode_costs=routing_costs(spec))
     if warmup:
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
@@ -316,6 +322,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     spec = from_cli(args)
     if spec.engine.tp > 1 and getattr(args, "async_steps", False):
         raise ConfigError("--async-steps: tensor-parallel steps are synchronous (use --tp 1)")
+    if spec.engine.tp > 1 and getattr(args, "decode_order", "request") != "request":
+        raise ConfigError("--decode-order lpt: tensor-parallel ranks launch in request order (use --tp 1)")
     if spec.engine.tp > 1 and not tp_rank0:
         from tangram.engine.tp import run_bench
 
@@ -326,6 +334,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     seed = spec.seed
     mode_runner = run_mode
     extra = {"async_steps": True} if args.async_steps else {}
+    if getattr(args, "decode_order", "request") != "request":
+        extra["decode_order"] = args.decode_order
     if tp_rank0:  # the full model on the CPU, sharded per mode onto this rank's device
         from tangram.engine.tp import run_mode_tp as mode_runner
     model, info = load_model(spec.model, spec.weights, dtype=dtype, device="cpu" if tp_rank0 else device, seed=seed)
@@ -359,7 +369,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     common = {"trace": str(spec.trace_path), "model": spec.model.name, "weights": info.get("source"),
               "device": dev_name, "dtype": str(dtype).replace("torch.", ""), "gpu_preset": spec.gpu.name,
               "seed": seed, "profile": spec.profile_label, "sampling": dataclasses.asdict(sampling), "clock": "virtual, advanced by measured step durations; idle gaps skipped",
-              "dynamic_keep": dyn, "async_steps": bool(args.async_steps)}
+              "dynamic_keep": dyn, "async_steps": bool(args.async_steps),
+              "decode_order": getattr(args, "decode_order", "request")}
     if probe_rec is not None:
         common["probe"] = probe_rec
     for m in metrics.values():

@@ -218,6 +218,10 @@ class ExecutorOptions:
     # the decode kernel's tile (BLOCK_N x warps x stages); None: tangram.kernels.decode.DEFAULT_CONFIG, the tile the
     # shipped tables were measured with (the routing's occupancy follows the tile: N_CTA is read from its kernel)
     decode_config: DecodeConfig | None = None
+    # the AOT decode launch's order: "request" (request-major grid, slots in budget order) or "lpt" (longest pieces
+    # first, item-major: the last wave holds the shortest; an A/B knob, the shipped decode costs were fitted on
+    # "request")
+    decode_order: str = "request"
     # asynchronous decode steps (the harness's launch / complete): a graphed pure-decode step is launched before the
     # previous step's sampled tokens reach the host; its rows read those tokens on the device, and the host records
     # them one step late (docs/engine.md, "Asynchronous decode steps"). Other steps run synchronously. Off: every
@@ -341,7 +345,8 @@ class Executor:
             self.aot = AotSplitTable(B, lay.perm, self.hp, self.n_occ, max_batch=max(1, self.engine.max_num_seqs),
                                      waves=self.engine.n_cta_scale, rounding=self.engine.split_rounding,
                                      costs=self.opts.decode_costs, gq=c.gqa_group, head_dim=c.head_dim,
-                                     dtype_bytes=c.dtype_bytes, num_sms=self.num_sms, device=self.device)
+                                     dtype_bytes=c.dtype_bytes, num_sms=self.num_sms, device=self.device,
+                                     order=self.opts.decode_order)
         elif self.partition not in ("static", "runtime"):
             raise ConfigError(f"unknown decode partition {self.partition!r}")
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)

@@ -176,15 +176,15 @@ def point_tables(sched, batch: int, lens_max: np.ndarray, num_pages: int, rng, e
 def build_config(name: str, path: str | None, model, args):
     """(EngineConfig, profile) of one named configuration."""
     from tangram.budgets import synthetic_profile
-    from tangram.config import EngineConfig
-
-    from tangram.config import MODES
+    from tangram.config import MODES, EngineConfig, default_heads_per_group
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     if path is None and name not in MODES and name != "paper":
         raise SystemExit(f"error: --config {name}: a mode ({', '.join(MODES)}), 'paper' or NAME=FILE.json")
-    # bare names: the paper's default configuration (H_p 4, alpha 2, rho 0.25) in that mode ('paper' = tangram)
-    d = {"mode": name if name in MODES else "tangram", "heads_per_group": 4, "alpha": 2.0, "rho": 0.25}
+    # bare names: the paper's default configuration (H_p 4, alpha 2, rho 0.25) in that mode ('paper' = tangram);
+    # H_p as every tool defaults it for a model whose KV heads 4 does not divide (SmolLM2's 3: 3)
+    d = {"mode": name if name in MODES else "tangram", "heads_per_group": default_heads_per_group(model),
+         "alpha": 2.0, "rho": 0.25}
     if path is not None:
         cfg = json.loads(Path(path).read_text())
         d.update({k: v for k, v in cfg.items() if k in fields and v is not None})
@@ -226,6 +226,8 @@ def run_config(name, eng, prof, model, cfg, args, copy_bw, rng, log) -> tuple[li
         kw["async_steps"] = True
     if args.graph_layers is not None:
         kw["graph_layers"] = args.graph_layers
+    if getattr(args, "decode_order", "request") != "request":
+        kw["decode_order"] = args.decode_order
     if getattr(args, "decode_tile", None):
         from tangram.kernels.decode import DecodeConfig
 
@@ -504,13 +506,12 @@ def events_split(exe, next_plan, n: int) -> dict:
 
 
 def mixed_steps(exe, sched, cfg, eng, ratio, plan_for, rng, args, log, name) -> dict:
-    """Eager steps of the largest batch's decode rows plus one prefill chunk (512 and 4096 tokens over 8K cached
+    """Eager steps of the largest batch's decode rows plus one prefill chunk (``--mixed-chunks``, default 512 and 4096 tokens, over 8K cached
     tokens): wall time, device span and kernel time, i.e. what a piecewise graph could still remove."""
-    import torch
 
     batch, ctx = max(args.batches), min(8192, max(args.contexts))
     out = {}
-    for c in (512, 4096):
+    for c in args.mixed_chunks:
         cached = np.minimum(ctx, np.ceil(ratio * ctx - 1e-9)).astype(np.int64)
         keep = np.minimum(c, np.ceil(ratio * c - 1e-9)).astype(np.int64)
         lens0 = cached.copy()
@@ -531,6 +532,8 @@ def mixed_steps(exe, sched, cfg, eng, ratio, plan_for, rng, args, log, name) -> 
             t = time.perf_counter()
             exe.execute(nxt())
             ts.append(time.perf_counter() - t)
+        if args.host_profile:
+            host_profile(exe, nxt, args.host_profile, Path(args.out) / f"host_profile_{name}_chunk{c}.txt")
         pr = profile_steps(exe, nxt, 2)
         ev = events_split(exe, nxt, 1)
         r = {"wall_ms": float(np.median(ts[2:])) * 1e3, **pr, **ev}
@@ -541,6 +544,32 @@ def mixed_steps(exe, sched, cfg, eng, ratio, plan_for, rng, args, log, name) -> 
             f"kernels {r.get('kernel_ms', 0):.2f} ms, compression {r.get('k_compression_ms', 0):.3f}, "
             f"prefill attention {r.get('k_prefill_attention_ms', 0):.3f}")
     return out
+
+
+def host_profile(exe, next_plan, n: int, path: Path) -> None:
+    """cProfile of ``n`` eager steps (host time by Python function, the device synchronised after each step), written
+    to ``path`` sorted by own and by cumulative time: where a host-bound mixed step's milliseconds go."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    plans = [next_plan() for _ in range(n)]
+    cuda = torch.cuda.is_available()
+    prof = cProfile.Profile()
+    prof.enable()
+    for p in plans:
+        exe.execute(p)
+        if cuda:
+            torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    buf.write(f"# cProfile of {n} eager steps ({path.stem}), seconds over all {n}\n")
+    st.sort_stats("tottime").print_stats(40)
+    st.sort_stats("cumulative").print_stats(60)
+    path.write_text(buf.getvalue())
 
 
 def markdown(rows: list[dict], mixed: dict, copy_bw: float, meta: dict) -> str:
@@ -608,8 +637,15 @@ def _parser():
     p.add_argument("--reserve-gib", type=float, default=6.0, help="memory left free of the KV pool (GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill+decode steps")
+    p.add_argument("--mixed-chunks", default="512,4096",
+                   help="prefill chunk lengths of the mixed steps, comma-separated (default: 512,4096)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also run N mixed steps of each chunk under cProfile: host_profile_CONFIG_chunkC.txt")
     p.add_argument("--decode-tile", help="decode kernel tile BLOCK_NxWARPSxSTAGES (ExecutorOptions.decode_config; "
                    "default the shipped tile, tangram.kernels.decode.DEFAULT_CONFIG)")
+    p.add_argument("--decode-order", choices=("request", "lpt"), default="request",
+                   help="AOT decode launch order (ExecutorOptions.decode_order): request-major, or longest pieces "
+                        "first (A/B knob)")
     p.add_argument("--graph-layers", type=int, help="layers per captured decode graph (ExecutorOptions.graph_layers; "
                    "0: one graph for the whole step)")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (emulated graphs, no profiler)")
@@ -634,6 +670,7 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     a.batches = [int(x) for x in a.batches.split(",")]
     a.contexts = [int(x) for x in a.contexts.split(",")]
+    a.mixed_chunks = [int(x) for x in a.mixed_chunks.split(",")]
     if a.decode_tile and not (len(a.decode_tile.split("x")) == 3
                               and all(x.isdigit() and int(x) > 0 for x in a.decode_tile.split("x"))):
         print(f"error: --decode-tile: expected BLOCK_NxWARPSxSTAGES (e.g. 128x8x3), got {a.decode_tile!r}",
@@ -672,7 +709,7 @@ def main(argv=None) -> int:
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_gbps": copy_bw / 1e9,
             "command": "python -m tangram.engine.roofline " + " ".join(argv if argv is not None else sys.argv[1:]),
             "torch": torch.__version__, "elapsed_s": time.time() - t0, "async_steps": bool(a.async_steps),
-            "decode_tile": a.decode_tile or "default", "blas": a.blas}
+            "decode_tile": a.decode_tile or "default", "blas": a.blas, "decode_order": a.decode_order}
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(out / "roofline.csv", index=False)

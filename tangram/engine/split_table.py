@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from tangram.budgets import check_group_size
+from tangram.errors import ConfigError
 from tangram.kernels.decode import LayerSchedule, schedule_from_split_map
 from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, MIN_CONTEXT_BUCKET, DecodeCosts,
                              aot_bucket_split_map, decode_context_bucket, pow2_bucket)
@@ -23,8 +24,13 @@ class AotSplitTable:
                  waves: float = 1.0, rounding: str = "round", min_split_tokens: int = AOT_MIN_SPLIT_TOKENS,
                  max_splits: int = AOT_MAX_SPLITS, min_context: int = MIN_CONTEXT_BUCKET,
                  max_context: int = AOT_MAX_CONTEXT, costs: DecodeCosts | None = None, gq: int = 4,
-                 head_dim: int = 128, dtype_bytes: int = 2, num_sms: int | None = None, device="cpu"):
+                 head_dim: int = 128, dtype_bytes: int = 2, num_sms: int | None = None, device="cpu",
+                 order: str = "request"):
         B = np.asarray(B, dtype=np.float64)
+        if order not in ("request", "lpt"):
+            raise ConfigError(f"decode launch order {order!r}: expected 'request' or 'lpt'")
+        # "lpt": items longest first (a slot's budget over its splits) in an item-major grid (schedule_from_split_map)
+        weights = np.take_along_axis(B, np.asarray(perm), axis=1) if order == "lpt" else None
         check_group_size(B.shape[1], heads_per_group)  # aot_split_map itself does not check
         self.heads_per_group, self.n_occ, self.waves, self.costs = heads_per_group, n_occ, waves, costs
         self.min_split_tokens = min_split_tokens
@@ -45,9 +51,10 @@ class AotSplitTable:
                 self.split_maps[(b, c)] = S
                 self._canon[(b, c)] = seen.setdefault(S.tobytes(), c)
                 for l in range(S.shape[0]):
-                    key = S[l].tobytes()
+                    key = S[l].tobytes() + (b"" if weights is None else weights[l].tobytes())
                     if key not in shared:
-                        shared[key] = schedule_from_split_map(S[l], heads_per_group, device)
+                        shared[key] = schedule_from_split_map(S[l], heads_per_group, device,
+                                                              lpt_weights=None if weights is None else weights[l])
                     self._sched[(b, c, l)] = shared[key]
                 self._steps[(b, c)] = tuple(self._sched[(b, c, l)] for l in range(S.shape[0]))
 
