@@ -475,6 +475,44 @@ def _tail_rates(n: int, bw: float, cta_bw: float, rate_model: str = "capped") ->
     return out
 
 
+def dispatch_time(sizes, n_occ: int, bw: float, cta_bw: float, rate_model: str = "saturating") -> float:
+    """Seconds of one launch whose CTAs of ``sizes`` bytes (in launch order) the GPU dispatches one by one into
+    ``n_occ`` resident slots, each starting the moment a slot frees, the running ones sharing the bandwidth by
+    ``rate_model`` (:func:`_tail_rates`' rates; ``a`` running CTAs each stream ``bw (1 - exp(-a cta_bw / bw)) / a``).
+
+    A reference model of launch order, not the simulator's price (an event loop per launch): unlike the waves and
+    straggler tail of :func:`tail_wave_time`, which size only the last ``n_occ`` CTAs, a long CTA dispatched late
+    runs past the others whatever wave it is in, so request-major and longest-first launches of the same CTAs
+    differ. Against the H200's measured kernels (``benchmarks/decode_order_model.py``,
+    reports/engine/roofline/README.md) it predicts request / longest-first 1.08x at batch 64 x 8K (1.13x measured;
+    the waves model 1.03x) and 1.05x at 128 x 8K (1.08x), but 1.02x at 256 x 2K where longest first measured 0.98x;
+    it has no per-launch or per-CTA constants and no per-SM placement (which CTAs share an SM in one wave: what
+    orders one-wave launches), so compare orders with it, not absolute times."""
+    import heapq
+
+    sizes = np.asarray(sizes, dtype=np.float64).ravel()
+    n, N = sizes.size, int(n_occ)
+    if n == 0:
+        return 0.0
+    if N < 1:
+        raise ConfigError(f"dispatch_time: n_occ must be >= 1, got {n_occ}")
+    a = np.arange(1, min(n, N) + 1, dtype=np.float64)
+    per_cta = bw * -np.expm1(-a * (cta_bw / bw)) / a if rate_model == "saturating" else np.minimum(bw / a, cta_bw)
+    # every running CTA advances by the same bytes ("virtual" bytes v): a CTA started at v0 ends at v0 + size
+    ends = list(sizes[:N])
+    heapq.heapify(ends)
+    v = t = 0.0
+    nxt = min(n, N)
+    while ends:
+        e = heapq.heappop(ends)
+        t += (e - v) / per_cta[len(ends)]  # len(ends) + 1 CTAs ran until this one ended
+        v = e
+        if nxt < n:
+            heapq.heappush(ends, v + sizes[nxt])
+            nxt += 1
+    return t
+
+
 def decode_layer_times(lens: np.ndarray, S: np.ndarray, heads_per_group: int, batch: int, n_occ: int,
                        costs: DecodeCosts, *, gq: int, head_dim: int, dtype_bytes: int = 2) -> np.ndarray:
     """Predicted seconds per layer [L] of one decode launch: ``batch`` requests whose heads hold ``lens``

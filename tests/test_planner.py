@@ -247,3 +247,46 @@ def test_decode_costs_by_model_entries_and_their_errors(tmp_path):
     top.to_json(f, {"by_model": ["llama"]})
     with pytest.raises(ConfigError, match="by_model must be an object"):
         DecodeCosts.load(tmp_path, "llama-3.1-8b")
+
+
+def _dispatch_reference(sizes, n_occ, bw, cta_bw):
+    """Float64 time-stepped reference of dispatch_time (capped rates): every running CTA streams min(bw/a, cta_bw),
+    a CTA starts the moment a slot frees, in launch order."""
+    rem, queue, t = [], list(map(float, sizes)), 0.0
+    while queue and len(rem) < n_occ:
+        rem.append(queue.pop(0))
+    while rem:
+        r = min(bw / len(rem), cta_bw)
+        dt = min(rem) / r
+        t += dt
+        rem = [x - r * dt for x in rem]
+        rem = [x for x in rem if x > 1e-9 * max(sizes)]
+        while queue and len(rem) < n_occ:
+            rem.append(queue.pop(0))
+    return t
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dispatch_time_matches_a_step_by_step_reference(seed):
+    from tangram.planner import dispatch_time
+
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 50, rng.integers(1, 40)).astype(float) * 1e6
+    n_occ = int(rng.integers(1, 12))
+    bw, cta_bw = 3e12, float(rng.choice([2e11, 5e11, 4e12]))
+    got = dispatch_time(sizes, n_occ, bw, cta_bw, rate_model="capped")
+    assert got == pytest.approx(_dispatch_reference(sizes, n_occ, bw, cta_bw), rel=1e-9)
+
+
+def test_dispatch_time_order_and_edges():
+    from tangram.planner import dispatch_time
+
+    bw, cta = 1e12, 1e12  # one CTA alone streams at the full bandwidth: no tail penalty from the rate cap
+    assert dispatch_time([], 4, bw, cta) == 0.0
+    assert dispatch_time([5e9] * 4, 8, bw, cta, "capped") == pytest.approx(4 * 5e9 / bw)  # one wave, shared
+    # two slots, a long CTA last: it runs alone at the end; first, it overlaps the short ones
+    late = dispatch_time([1e9, 1e9, 1e9, 4e9], 2, bw, 1e11, "capped")
+    early = dispatch_time([4e9, 1e9, 1e9, 1e9], 2, bw, 1e11, "capped")
+    assert late > early
+    with pytest.raises(ConfigError, match="n_occ"):
+        dispatch_time([1.0], 0, bw, cta)
