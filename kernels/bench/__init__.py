@@ -229,6 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--sweep-rhos", default="0.25,0.5,1.0")
     ap.add_argument("--sweep-hps", default="1,4", help="H_p values of the AOT rows in the decode sweep")
+    ap.add_argument("--aot-orders", default="request", choices=("request", "request,lpt"),
+                    help="launch orders of the AOT rows in the decode sweep: request (the rows the decode-cost fit "
+                         "reads) and, with lpt, the same maps longest piece first (kernel tangram_aot_lpt)")
     ap.add_argument("--decode-costs", default="auto",
                     help="tables folder whose decode_costs.json the AOT regime choice reads (auto: the device's; "
                          "none: Algorithm 1 capped per context)")

@@ -114,14 +114,18 @@ class Headline:
             out[(kernel, impl)] = row
             return row
 
-        if "tangram_aot" in kernels:
+        # tangram_aot_lpt: the same maps launched longest piece first (AotSplitTable order="lpt"; its own kernel
+        # name, so the decode-cost fit, which reads tangram_aot rows, stays on request-order launches)
+        for kname, order in (("tangram_aot", "request"), ("tangram_aot_lpt", "lpt")):
+            if kname not in kernels:
+                continue
             for w in ([waves] if np.isscalar(waves) else waves):
-                key = (m.name, rho, seed, Hp, w)
+                key = (m.name, rho, seed, Hp, w, order)
                 if key not in tables_cache:
                     tables_cache[key] = AotSplitTable(Bratio, case.perm, Hp, self.n_occ, max_batch=256, waves=w,
-                                                      device=self.dev, **self.split_kwargs(m))
+                                                      device=self.dev, order=order, **self.split_kwargs(m))
                 fn, plan_ms, scheds = case.aot(tables_cache[key], self.config)
-                pending.append(("tangram_aot", fn, plan_ms, Hp, dict(
+                pending.append((kname, fn, plan_ms, Hp, dict(
                     impl=f"triton_w{w:g}" if not np.isscalar(waves) else "triton",
                     ctas=int(np.mean([s.n_items for s in scheds])) * batch,
                     max_splits=max(s.max_splits for s in scheds), w=w)))

@@ -47,7 +47,8 @@ class Sweeps:
                             # static on the same ragged layout at every H_p (the like-with-like ratio), the
                             # monolithic static once per point (baseline a as a system would run it)
                             kern = ["tangram_aot", "static_split_ragged"] + (["runtime_plan"] if Hp == 1 else []) + \
-                                (["static_split"] if i == 0 else [])
+                                (["static_split"] if i == 0 else []) + \
+                                (["tangram_aot_lpt"] if "lpt" in self.args.aot_orders.split(",") else [])
                             try:
                                 self.decode_point(dtab, arena, m, b, c, rho, Hp, 0, kern, tables_cache)
                             except torch.cuda.OutOfMemoryError:
