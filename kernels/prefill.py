@@ -212,10 +212,9 @@ def prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_
     if not runs_triton(q):
         from tangram.kernels.reference import ref_prefill_attention
 
-        o, probs = ref_prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_head,
-                                         page_size=page_size, heads_per_group=heads_per_group, sm_scale=sm_scale)
-        lse = _lse_from_reference(q, k_new, kv_pool, block_table, head_lens, slot_to_head, page_size,
-                                  heads_per_group, scale)
+        o, _, lse = ref_prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_head,
+                                          page_size=page_size, heads_per_group=heads_per_group, sm_scale=sm_scale,
+                                          with_lse=True)
         return o.to(q.dtype), lse
     if head_to_slot is None:
         head_to_slot = torch.argsort(slot_to_head.long()).to(torch.int32)
@@ -232,26 +231,6 @@ def prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
-
-
-def _lse_from_reference(q, k_new, kv_pool, block_table, head_lens, slot_to_head, page_size, heads_per_group, scale):
-    c, Hq, d = q.shape
-    H = k_new.shape[1]
-    gq = Hq // H
-    lse = torch.empty((Hq, c), dtype=torch.float32)
-    s2h = slot_to_head.cpu().numpy()
-    causal = torch.ones(c, c, dtype=torch.bool).tril()
-    for slot in range(H):
-        h = int(s2h[slot])
-        n = int(head_lens[slot])
-        g, j = divmod(slot, heads_per_group)
-        tok = torch.arange(n)
-        Kc = kv_pool[block_table[g][tok // page_size].long(), 0, j, tok % page_size].double()
-        K = torch.cat([Kc, k_new[:, h].double()])
-        qh = q[:, h * gq:(h + 1) * gq].double().transpose(0, 1)
-        s = (qh @ K.T * scale).masked_fill(~torch.cat([torch.ones(c, n, dtype=torch.bool), causal], 1), float("-inf"))
-        lse[h * gq:(h + 1) * gq] = (torch.logsumexp(s, -1) * LOG2E).float()
-    return lse
 
 
 def snapkv_scores(q, k_new, lse, slot_to_head, *, sm_scale: float | None = None, window: int = 32,

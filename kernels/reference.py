@@ -44,17 +44,19 @@ def ref_paged_decode(q, kv_pool, block_table, head_lens, slot_to_head, *, page_s
 
 
 def ref_prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot_to_head, *, page_size: int,
-                          heads_per_group: int, sm_scale: float | None = None):
+                          heads_per_group: int, sm_scale: float | None = None, with_lse: bool = False):
     """Chunk attention: every cached token of the head, then causal over the chunk.
 
     Returns (out [c, Hq, d], probs) where probs[h] is [gq, c, n_h + c] float64
-    (KV head h in original order).
+    (KV head h in original order); with ``with_lse`` (out, probs, lse): lse [Hq, c] the base-2 log-sum-exp of
+    each query's scores in fp32, what the kernels return (the engine's CPU path takes all three from one pass).
     """
     c, Hq, d = q.shape
     H = k_new.shape[1]
     gq = Hq // H
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.zeros((c, Hq, d), dtype=torch.float64, device=q.device)
+    lse = torch.empty((Hq, c), dtype=torch.float32, device=q.device) if with_lse else None
     lens = head_lens.cpu().numpy()
     s2h = slot_to_head.cpu().numpy()
     probs = [None] * H
@@ -67,12 +69,14 @@ def ref_prefill_attention(q, k_new, v_new, kv_pool, block_table, head_lens, slot
         K = torch.cat([Kc, k_new[:, h].double()])
         V = torch.cat([Vc, v_new[:, h].double()])
         qh = q[:, h * gq:(h + 1) * gq].double().transpose(0, 1)  # [gq, c, d]
-        s = qh @ K.T * scale
         mask = torch.cat([torch.ones(c, n, dtype=torch.bool, device=q.device), causal], dim=1)
-        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        s = (qh @ K.T * scale).masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
         out[:, h * gq:(h + 1) * gq] = (p @ V).transpose(0, 1)
         probs[h] = p
-    return out, probs
+        if with_lse:
+            lse[h * gq:(h + 1) * gq] = (torch.logsumexp(s, -1) * (1.0 / math.log(2.0))).float()
+    return (out, probs, lse) if with_lse else (out, probs)
 
 
 def ref_snapkv_scores(probs, head_lens, slot_to_head, window: int, pool_kernel: int = 7) -> torch.Tensor:

@@ -136,6 +136,39 @@ def test_cpu_pool_is_capped_by_host_memory_in_its_own_element_size(monkeypatch):
     assert pool_bytes_for(model, gpu, given, cpu, elem_bytes=4) == 3 * 2**30  # --kv-pool-gib is taken as given
 
 
+def test_cpu_pool_is_capped_by_what_the_trace_can_hold(tiny, monkeypatch):
+    """On the CPU the pool is never larger than the trace can fill (every session resident and uncompressed, twice
+    over): the same run as with a far larger pool (every decision and count equal), without NaN-filling half the
+    host's memory first. A pool well below the bound does change the run (so the comparison can tell)."""
+    import os
+
+    from tangram.engine.bench import pool_bytes_for, trace_kv_bound_bytes
+
+    cfg, model = tiny
+    page = 4096
+    monkeypatch.setattr(os, "sysconf", lambda k: {"SC_AVPHYS_PAGES": 64 * 2**30 // page, "SC_PAGE_SIZE": page}[k])
+    prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
+    eng = engine("tangram", kv_pool_bytes=None)
+    tr = small_trace(sessions=3, first=(120, 90, 150), later=40, out=12)
+    bound = trace_kv_bound_bytes(tr, cfg, eng)
+    assert pool_bytes_for(cfg, get_gpu("h100"), eng, CPU, elem_bytes=4, trace=tr) == bound < \
+        pool_bytes_for(cfg, get_gpu("h100"), eng, CPU, elem_bytes=4)
+
+    def run(e):
+        summ, res, leak = run_mode(tr, DeploymentSpec(cfg, get_gpu("h100"), e, prof), "tangram", model, device=CPU,
+                                   warmup=False)
+        assert leak["ok"]
+        return summ, [(r.rid, r.status, r.preemptions, r.prefill_tokens, r.cached_tokens) for r in res.records]
+
+    capped, larger = run(eng), run(eng.with_(kv_pool_bytes=8 * bound))
+    assert capped[0]["kv_pool_bytes"] == bound and larger[0]["kv_pool_bytes"] == 8 * bound
+    # (step counts follow the measured step times, which advance the clock: they vary from run to run on the CPU)
+    assert capped[1] == larger[1]
+    assert capped[0]["session_evictions"] == capped[0]["preemptions"] == 0
+    small = run(eng.with_(kv_pool_bytes=int(0.8 * capped[0]["peak_kv_bytes"])))  # below what the run held
+    assert small[0]["session_evictions"] + small[0]["preemptions"] > 0
+
+
 def test_sampling_temperature_top_p():
     from tangram.engine.sampling import Sampler, SamplingParams
 

@@ -34,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                     defaults={"out": DEFAULT_OUT})
     p.add_argument("--time-ops", action="store_true", help="per-operator times with CUDA events (slower; every step "
                    "eager)")
-    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up (kernel compilation; only on "
+                   "CUDA: a CPU run never warms up)")
     p.add_argument("--async-steps", action="store_true",
                    help="asynchronous decode steps: a graphed pure-decode step is planned and launched before the "
                         "previous one's tokens reach the host (ExecutorOptions.async_steps; one GPU only)")
@@ -68,12 +69,27 @@ def device_dtype(device: str, dtype: str):
     return torch.device(device), dt
 
 
-def pool_bytes_for(model_cfg, gpu, engine, device, elem_bytes: int | None = None) -> int:
+def trace_kv_bound_bytes(trace, model_cfg, engine) -> int:
+    """KV bytes (at the model's dtype) a trace can never outgrow: every session's whole context resident and
+    uncompressed at once, plus a chunk and a page (every table's partial last page) per session, twice over. A pool
+    this large never evicts, preempts or reaches the admission watermark (1% of the pool), so any larger pool serves
+    the trace identically (64 MiB more for block-table slack on tiny traces)."""
+    tot: dict[str, int] = {}
+    for t in trace.turns:
+        tot[t.session_id] = tot.get(t.session_id, 0) + t.new_tokens + t.output_tokens
+    tokens = sum(tot.values()) + len(tot) * (engine.chunk_size + engine.page_size)
+    per_token = model_cfg.num_layers * model_cfg.num_kv_heads * 2 * model_cfg.head_dim * model_cfg.dtype_bytes
+    return 2 * tokens * per_token + 2**26
+
+
+def pool_bytes_for(model_cfg, gpu, engine, device, elem_bytes: int | None = None, trace=None) -> int:
     """The preset-derived KV pool (bytes at the model's dtype, as the layout counts pages), never more than the
     device has free now: on CUDA its free memory x ``gpu_memory_utilization`` minus the activation reserve, on the
     CPU half the memory available now (the host runs more than the engine). ``elem_bytes``: the pool's actual
     element size (4 when the engine runs in float32, as on the CPU), which the cap is measured in: a float32 pool
-    sized from the GPU preset asked the CPU for 139 GB."""
+    sized from the GPU preset asked the CPU for 139 GB. On the CPU, given the ``trace``, also never more than
+    :func:`trace_kv_bound_bytes` (the same run: the pool is NaN-filled at creation, and filling half a host's memory
+    took 15 s of a 30 s smoke run on this 24 GiB machine, per mode)."""
     import os
 
     import torch
@@ -89,6 +105,8 @@ def pool_bytes_for(model_cfg, gpu, engine, device, elem_bytes: int | None = None
         elif device.type == "cpu":
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             b = min(b, int(avail * 0.5 / scale))
+            if trace is not None:
+                b = min(b, trace_kv_bound_bytes(trace, model_cfg, engine))
     if b <= 0:
         raise ConfigError("no memory left for the KV pool (give its size with --kv-pool-gib)")
     return b
@@ -241,13 +259,15 @@ def _run_mode(trace, spec, mode, model, tc, *, device, seed, sampling, time_ops,
     from tangram.harness import Cluster, summarize
 
     engine = spec.engine.with_(mode=mode)
-    pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device, next(model.parameters()).element_size())
+    pool_b = pool_bytes_for(spec.model, spec.gpu, engine, device, next(model.parameters()).element_size(), trace)
     max_ctx = max_session_tokens(trace)
     opts = ExecutorOptions(sampling=sampling or SamplingParams(seed=seed), time_ops=time_ops,
                            dynamic_keep=dynamic_keep, cuda_graphs=cuda_graphs, graph_max_context=max_ctx,
                            async_steps=async_steps, decode_order=decode_order,
                            decode_costs=routing_costs(spec))
-    if warmup:
+    # the warm-up compiles the Triton kernels and fills their caches; on the CPU nothing compiles (the kernels' torch
+    # references, or the interpreter), and the mini trace's chunk-size prompts cost minutes of float64 attention
+    if warmup and torch.device(device).type == "cuda":
         ws = TimedScheduler(spec.model, engine, spec.profile, pool_bytes=pool_b)
         wx = Executor(model, ws, TokenSource(spec.model.vocab, seed + 7), opts)
         Cluster(_mini_trace(engine), [(ws, wx)], spec.router, record_kv=False).run()
