@@ -50,6 +50,25 @@ def test_validate_cli_cpu(tmp_path):
     runs_a = [m["throughput_rps"] for m in s["runs"]["a"]["measured"]]
     assert df.loc[df["config"] == "a", "throughput_rps_meas"].item() == pytest.approx(sum(runs_a) / 2)
     assert "Kendall tau" in (out / "report.md").read_text()
+    # measured on the CPU against H100 predictions: said on stderr, in the report and in validation.json
+    assert "measuring on the cpu" in s["device_mismatch"] and "h100" in s["device_mismatch"]
+    assert "**warning: measuring on the cpu" in (out / "report.md").read_text()
+
+
+def test_device_mismatch_rules(monkeypatch):
+    import torch
+
+    from tangram.config import get_gpu
+    from tangram.tuning.validate import device_mismatch
+
+    h100 = get_gpu("h100")
+    assert device_mismatch(None, h100, False) is None  # --predict-only: nothing measured
+    assert "cpu" in device_mismatch(torch.device("cpu"), h100, True)  # a probe does not make the CPU an H100
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    assert "NVIDIA H200 against predictions for h100" in device_mismatch(cuda, h100, False)
+    assert device_mismatch(cuda, h100, True) is None  # the probe rescales the H100 tables to this machine
+    assert device_mismatch(cuda, get_gpu("h200"), False) is None
 
 
 def test_validate_bad_config_is_one_line(tmp_path, capsys):

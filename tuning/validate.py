@@ -25,6 +25,7 @@ and configs) into one report, each config's prediction against the mean of every
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -150,6 +151,9 @@ def run(a) -> dict:
     device = dtype = None
     if not predict_only:
         device, dtype = device_dtype(first.device, first.dtype)
+    mismatch = None if predict_only else device_mismatch(device, first.gpu, probe_arg is not None)
+    if mismatch:
+        print(f"warning: {mismatch}", file=sys.stderr, flush=True)
     probe = None
     if probe_arg == "run":
         from tangram.sim.probe import run_probe, save_probe
@@ -226,7 +230,7 @@ def run(a) -> dict:
     tdf.to_csv(out / "terms.csv", index=False)
     summary = {"kendall_tau_throughput": tau, "rows": rows, "terms": terms, "trace": _trace(a),
                "device": str(device), "weights": info.get("source") if info else None, "dynamic_keep": dyn,
-               "ops_timed": not a.no_time_ops, **tables_info,
+               "ops_timed": not a.no_time_ops, "device_mismatch": mismatch, **tables_info,
                # every run's own metrics (the engine's and the simulator's), for diagnosis after the GPU is gone
                "runs": {j["name"]: {"predicted": _scalars(j["pred"]), "measured": [_scalars(m) for m in j["meas"]]}
                         for j in jobs}}
@@ -294,12 +298,35 @@ def _fmt(x):
     return str(x)
 
 
+def device_mismatch(device, gpu, probed: bool) -> str | None:
+    """Why this run's errors would not measure the simulator, or None: the engine measured on the CPU (the kernels'
+    torch references, not the GPU the tables price), or on a CUDA device of another GPU model than ``--gpu``
+    without a probe rescaling the tables to it."""
+    import torch
+
+    from tangram.config import gpu_for_device_name
+
+    if device is None:
+        return None
+    if device.type != "cuda":
+        return (f"measuring on the {device.type}: the engine runs the kernels' torch references there, not the "
+                f"{gpu.name} the simulator prices, so the errors check the plumbing, not the predictions")
+    name = torch.cuda.get_device_name(device)
+    here = gpu_for_device_name(name)
+    if not probed and (here is None or here.family != gpu.family):
+        return (f"measuring on {name} against predictions for {gpu.name} (--gpu) without --probe: pass the GPU "
+                f"preset of this device or --probe to rescale the tables to it")
+    return None
+
+
 def write_report(out: Path, df, tdf, tau, a, summary) -> None:
     lines = ["# tangram-validate: simulator vs engine", "",
              "Command: `tangram-validate " + " ".join(getattr(a, "_argv", [])) + "`", "",
              f"- trace: {_trace(a)}; device: {summary['device']}; weights: {summary['weights']}; "
              f"dynamic keep: {summary['dynamic_keep']}",
              "- relative error = (predicted - measured) / measured", ""]
+    if summary.get("device_mismatch"):
+        lines[-1:-1] = [f"- **warning: {summary['device_mismatch']}**"]
     prov = summary.get("tables_provenance") or []
     if prov:
         lines[-1:-1] = ["- cost tables: " + "; then ".join(p["label"] for p in prov)]
