@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import warnings
 from pathlib import Path
 
 from .objective import Evaluator
@@ -30,8 +31,16 @@ def _plots(study, setup: Setup, out: Path) -> list[str]:
 
     made = []
     load = (lambda t: t.values[0]) if setup.objective == "pareto" else None
+    # optuna's default importance evaluator (PED-ANOVA) ranks what makes a given target *low*: the load is maximised,
+    # so it reads the negated load (with load itself, importance.png ranked the parameters of the worst trials)
+    neg_load = (lambda t: -t.values[0]) if load is not None else None
+
+    def importances():
+        with warnings.catch_warnings():  # its "achieve low target values" warning: the negation above handles it
+            warnings.filterwarnings("ignore", message=".*achieve low `target` values.*")
+            return ovm.plot_param_importances(study, target=neg_load, target_name="load (req/s)")
     jobs = [("history.png", lambda: ovm.plot_optimization_history(study, target=load, target_name="load (req/s)")),
-            ("importance.png", lambda: ovm.plot_param_importances(study, target=load, target_name="load (req/s)"))]
+            ("importance.png", importances)]
     if setup.objective == "pareto":
         jobs.insert(0, ("pareto.png", lambda: ovm.plot_pareto_front(
             study, target_names=["sustained load (req/s)", "overflow rate"])))
