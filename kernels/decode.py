@@ -222,6 +222,33 @@ def schedule_from_split_map(split_map, heads_per_group: int, device="cpu", *, lp
                          int(s.max()), per_request=True, item_major=lpt_weights is not None)
 
 
+def paired_schedule(split_map, heads_per_group: int, batch: int, weights, num_sms: int, n_occ: int,
+                    device="cpu") -> LayerSchedule:
+    """Items of a launch of exactly ``batch`` requests (every ``(slot, split, request)`` listed: varlen), ordered so
+    that the first wave balances bytes per SM: pieces sorted heaviest first (weight / splits), the first wave's
+    ``n_occ`` heaviest laid out as the ``num_sms`` heaviest then the rest of the wave lightest first (the GPU
+    hands block i of a wave to SM i mod ``num_sms``: SM k runs the k-th heaviest with one of the wave's lightest),
+    the later waves longest first. A one-wave launch is limited by its most loaded SM, not only by its longest CTA
+    (reports/engine/roofline/README.md, H200 2026-11-29). Only for launches of exactly ``batch`` rows: a smaller
+    batch would read rows it does not have (the split table uses it for graphed steps, padded to their bucket)."""
+    s = np.asarray(split_map.cpu() if isinstance(split_map, torch.Tensor) else split_map, dtype=np.int64).reshape(-1)
+    if s.size == 0 or np.any(s < 1):
+        raise ConfigError(f"split map row must be >= 1 for every group, got {s.tolist()}")
+    ns = np.repeat(s, heads_per_group)
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)
+    if w.shape != ns.shape:
+        raise ConfigError(f"paired_schedule: expected {ns.size} slot weights, got {w.size}")
+    one = _slot_items(ns)
+    items = np.tile(one, (batch, 1))
+    items[:, 2] = np.repeat(np.arange(batch), len(one))
+    idx = np.argsort(-(w / ns)[items[:, 0]], kind="stable")
+    m = min(int(n_occ), idx.size)
+    k = min(int(num_sms), m)
+    idx = np.concatenate([idx[:k], idx[k:m][::-1], idx[m:]])
+    return LayerSchedule(torch.from_numpy(items[idx].astype(np.int32)).to(device),
+                         torch.from_numpy(ns.astype(np.int32)).to(device), int(s.max()), per_request=False)
+
+
 def static_schedule(num_heads: int, num_splits: int, device="cpu") -> LayerSchedule:
     return schedule_from_split_map(np.full(num_heads, num_splits), 1, device)
 

@@ -227,23 +227,26 @@ def test_decode_partitions(tiny, mode, partition):
 
 @pytest.mark.interpret
 def test_longest_first_decode_order_serves_the_same_tokens(tiny):
-    """ExecutorOptions.decode_order="lpt" reaches the AOT table (item-major schedules, longest pieces first) and,
-    through the interpreted Triton decode kernel, gives the request-order run's token streams and logits."""
+    """ExecutorOptions.decode_order "lpt" and "paired" reach the AOT table (item-major schedules, longest pieces
+    first; the SM-paired varlen list for a bucket's exact batch) and, through the interpreted Triton decode kernel,
+    give the request-order run's token streams and logits."""
     cfg, model = tiny
     prof = synthetic_profile(cfg.num_layers, cfg.num_kv_heads, 0.5, alpha=1.0, seed=0, model=cfg.name)
     runs = []
-    for order in ("request", "lpt"):
+    for order in ("request", "lpt", "paired"):
         eng = engine("tangram", kv_pool_bytes=400_000)
         sched = TimedScheduler(cfg, eng, prof, pool_bytes=eng.kv_pool_bytes)
         exe = Executor(model, sched, TokenSource(cfg.vocab, seed=5),
                        ExecutorOptions(record_logits=True, decode_order=order))
-        assert exe.aot.lookup(0, 3, 64).item_major == (order == "lpt")
+        assert exe.aot.lookup(0, 3, 64).item_major == (order != "request")
+        assert exe.aot.lookup(0, 2, 64).per_request == (order != "paired")  # 2 rows = a bucket: the SM-paired list
         res = Cluster(small_trace(sessions=2, out=4), [(sched, exe)]).run()
         assert all(r.status == "finished" for r in res.records) and leak_check(sched)["ok"]
         runs.append(exe)
-    assert runs[0].streams == runs[1].streams
-    for (r0, p0, a), (r1, p1, b) in zip(runs[0].logit_log, runs[1].logit_log, strict=True):
-        assert (r0, p0) == (r1, p1) and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    for other in runs[1:]:
+        assert runs[0].streams == other.streams
+        for (r0, p0, a), (r1, p1, b) in zip(runs[0].logit_log, other.logit_log, strict=True):
+            assert (r0, p0) == (r1, p1) and torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_dynamic_keep_from_profile_reclaims(tiny):

@@ -156,6 +156,40 @@ def test_decode_longest_first_order_is_the_same_function(B, Hp, seed, splits, ma
         schedule_from_split_map(np.array(splits[: H // Hp]), Hp, lpt_weights=w[:-1])
 
 
+@settings(max_examples=5, deadline=None)
+@given(B=st.integers(1, 3), Hp=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),
+       splits=st.lists(st.integers(1, 3), min_size=4, max_size=4), maxlen=st.integers(0, 30),
+       sms=st.integers(1, 6), occ=st.integers(1, 12))
+def test_decode_paired_order_is_the_same_function(B, Hp, seed, splits, maxlen, sms, occ):
+    """The SM-balanced varlen list (every (slot, split, request) once: the first wave's heaviest num_sms pieces,
+    then that wave's rest lightest first, then the later waves longest first) computes what the request-major
+    launch computes, through the interpreted kernel, against the float64 reference."""
+    from tangram.kernels.decode import launch_decode, paired_schedule
+
+    gen = torch.Generator().manual_seed(seed)
+    H, gq = 4, 2
+    lens = torch.randint(0, maxlen + 1, (B, H), generator=gen).to(torch.int32)
+    pool, bt = _ragged(B, H, Hp, lens, torch.float32, gen)
+    s2h = torch.randperm(H, generator=gen).to(torch.int32)
+    q = torch.randn(B, H * gq, D, generator=gen)
+    ref = ref_paged_decode(q, pool, bt, lens, s2h, page_size=P, heads_per_group=Hp)
+    w = torch.rand(H, generator=gen).numpy()
+    row = np.array(splits[: H // Hp])
+    sched = paired_schedule(row, Hp, B, w, sms, occ)
+    items = sched.items.numpy()
+    ns = np.repeat(row, Hp)
+    assert not sched.per_request and len(items) == B * int(ns.sum())
+    assert len({tuple(x) for x in items}) == len(items)  # every (slot, split, request) exactly once
+    piece = (w / ns)[items[:, 0]]
+    m, k = min(occ, len(items)), min(sms, occ, len(items))
+    assert np.all(np.diff(piece[:k]) <= 0) and np.all(np.diff(piece[k:m]) >= 0) and np.all(np.diff(piece[m:]) <= 0)
+    assert len(items) <= k or piece[:k].min() >= piece[k:].max()  # the heaviest pieces lead
+    o = torch.full_like(q, float("nan"))
+    launch_decode(q, pool, bt, lens, s2h, sched, page_size=P, heads_per_group=Hp, out=o)
+    assert torch.isfinite(o).all()
+    assert float((o.double() - ref).abs().max()) < 1e-4
+
+
 def test_decode_many_splits_merge_in_blocks():
     """More splits than one merge block (16), most of them empty: the merge must still be exact."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -231,6 +265,14 @@ def test_aot_table_longest_first_order_keeps_the_maps():
         assert np.all(np.diff(piece) <= 0)
     with pytest.raises(ConfigError, match="launch order"):
         AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=4, order="longest")
+    # "paired": a launch of exactly a bucket's rows takes the SM-balanced varlen list, any other batch the lpt one
+    pr = AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=64, min_split_tokens=256, order="paired", num_sms=132)
+    full, part = pr.lookup(2, 64, 32768), pr.lookup(2, 40, 32768)
+    assert not full.per_request and full.n_items == 64 * lpt.lookup(2, 64, 32768).n_items
+    assert part.item_major and torch.equal(part.items, lpt.lookup(2, 40, 32768).items)
+    assert pr.step(64, 32768)[2] is full and pr.step(40, 32768)[2] is part
+    with pytest.raises(ConfigError, match="num_sms"):
+        AotSplitTable(prof.B, perm, 2, n_occ=528, max_batch=4, order="paired")
 
 
 def test_occupancy_formula():

@@ -39,10 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-steps", action="store_true",
                    help="asynchronous decode steps: a graphed pure-decode step is planned and launched before the "
                         "previous one's tokens reach the host (ExecutorOptions.async_steps; one GPU only)")
-    p.add_argument("--decode-order", choices=("request", "lpt"), default="request",
+    p.add_argument("--decode-order", choices=("request", "lpt", "paired"), default="request",
                    help="AOT decode launch order (ExecutorOptions.decode_order): request-major (what the shipped "
-                        "decode costs were fitted on), or the longest pieces first (faster on multi-wave batches: "
-                        "reports/engine/roofline/README.md; the simulator prices request order)")
+                        "decode costs were fitted on), the longest pieces first (faster on multi-wave batches: "
+                        "reports/engine/roofline/README.md; the simulator prices request order), or paired (longest "
+                        "first, and a graphed step's first wave balanced per SM)")
     p.add_argument("--probe", nargs="?", const="run", metavar="FILE",
                    help="record this machine's probe (tangram-probe, about 20 s; or a probe JSON) and the scales it "
                         "gives the shipped cost tables, in metrics.json and probe.json")
@@ -343,7 +344,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
     if spec.engine.tp > 1 and getattr(args, "async_steps", False):
         raise ConfigError("--async-steps: tensor-parallel steps are synchronous (use --tp 1)")
     if spec.engine.tp > 1 and getattr(args, "decode_order", "request") != "request":
-        raise ConfigError("--decode-order lpt: tensor-parallel ranks launch in request order (use --tp 1)")
+        raise ConfigError(f"--decode-order {args.decode_order}: tensor-parallel ranks launch in request order "
+                          "(use --tp 1)")
     if spec.engine.tp > 1 and not tp_rank0:
         from tangram.engine.tp import run_bench
 

@@ -218,9 +218,10 @@ class ExecutorOptions:
     # the decode kernel's tile (BLOCK_N x warps x stages); None: tangram.kernels.decode.DEFAULT_CONFIG, the tile the
     # shipped tables were measured with (the routing's occupancy follows the tile: N_CTA is read from its kernel)
     decode_config: DecodeConfig | None = None
-    # the AOT decode launch's order: "request" (request-major grid, slots in budget order) or "lpt" (longest pieces
-    # first, item-major: the last wave holds the shortest; an A/B knob, the shipped decode costs were fitted on
-    # "request")
+    # the AOT decode launch's order: "request" (request-major grid, slots in budget order), "lpt" (longest pieces
+    # first, item-major: the last wave holds the shortest) or "paired" (lpt, and a launch of exactly a batch
+    # bucket's rows, as graphed steps are, balances the first wave's bytes per SM); A/B knobs, the shipped decode
+    # costs were fitted on "request"
     decode_order: str = "request"
     # asynchronous decode steps (the harness's launch / complete): a graphed pure-decode step is launched before the
     # previous step's sampled tokens reach the host; its rows read those tokens on the device, and the host records

@@ -12,9 +12,12 @@ import numpy as np
 
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
-from tangram.kernels.decode import LayerSchedule, schedule_from_split_map
+from tangram.kernels.decode import LayerSchedule, paired_schedule, schedule_from_split_map
 from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, MIN_CONTEXT_BUCKET, DecodeCosts,
                              aot_bucket_split_map, decode_context_bucket, pow2_bucket)
+
+
+ORDERS = ("request", "lpt", "paired")  # decode launch orders (ExecutorOptions.decode_order)
 
 
 class AotSplitTable:
@@ -27,10 +30,16 @@ class AotSplitTable:
                  head_dim: int = 128, dtype_bytes: int = 2, num_sms: int | None = None, device="cpu",
                  order: str = "request"):
         B = np.asarray(B, dtype=np.float64)
-        if order not in ("request", "lpt"):
-            raise ConfigError(f"decode launch order {order!r}: expected 'request' or 'lpt'")
-        # "lpt": items longest first (a slot's budget over its splits) in an item-major grid (schedule_from_split_map)
-        weights = np.take_along_axis(B, np.asarray(perm), axis=1) if order == "lpt" else None
+        if order not in ORDERS:
+            raise ConfigError(f"decode launch order {order!r}: expected one of {', '.join(ORDERS)}")
+        if order == "paired" and num_sms is None:
+            raise ConfigError("decode launch order 'paired' needs num_sms (the GPU's SMs)")
+        # "lpt": items longest first (a slot's budget over its splits) in an item-major grid (schedule_from_split_map);
+        # "paired": that, and a launch of exactly a batch bucket's rows (a graphed step) also balances the first
+        # wave's bytes per SM (kernels.decode.paired_schedule)
+        self.order = order
+        weights = np.take_along_axis(B, np.asarray(perm), axis=1) if order != "request" else None
+        self._paired: dict[tuple[int, int, int], LayerSchedule] = {}
         check_group_size(B.shape[1], heads_per_group)  # aot_split_map itself does not check
         self.heads_per_group, self.n_occ, self.waves, self.costs = heads_per_group, n_occ, waves, costs
         self.min_split_tokens = min_split_tokens
@@ -39,6 +48,8 @@ class AotSplitTable:
         self._canon: dict[tuple[int, int], int] = {}
         self._steps: dict[tuple[int, int], tuple[LayerSchedule, ...]] = {}
         shared: dict[bytes, LayerSchedule] = {}
+        shared_paired: dict[tuple[int, bytes], LayerSchedule] = {}
+        self._paired_steps: dict[tuple[int, int], tuple[LayerSchedule, ...]] = {}
         self.batch_buckets = [1 << i for i in range(pow2_bucket(max(1, max_batch)).bit_length())]
         lo = decode_context_bucket(min_context)
         self.ctx_buckets = [lo << i for i in range(max(0, (pow2_bucket(max_context) // lo).bit_length()))]
@@ -57,6 +68,14 @@ class AotSplitTable:
                                                               lpt_weights=None if weights is None else weights[l])
                     self._sched[(b, c, l)] = shared[key]
                 self._steps[(b, c)] = tuple(self._sched[(b, c, l)] for l in range(S.shape[0]))
+                if order == "paired":
+                    for l in range(S.shape[0]):
+                        key = (b, S[l].tobytes() + weights[l].tobytes())
+                        if key not in shared_paired:
+                            shared_paired[key] = paired_schedule(S[l], heads_per_group, b, weights[l], num_sms,
+                                                                 n_occ, device)
+                        self._paired[(b, c, l)] = shared_paired[key]
+                    self._paired_steps[(b, c)] = tuple(self._paired[(b, c, l)] for l in range(S.shape[0]))
 
     def _keys(self, batch: int, max_context: int | None) -> tuple[int, int]:
         b = min(pow2_bucket(batch), self.batch_buckets[-1])
@@ -68,12 +87,17 @@ class AotSplitTable:
         """Schedule of ``layer`` for a batch of ``batch`` requests whose longest context is ``max_context``
         tokens (before compression; None = the largest bucket)."""
         b, c = self._keys(batch, max_context)
+        if batch == b and self._paired:  # exactly the bucket's rows: the SM-balanced list
+            return self._paired[(b, c, layer)]
         return self._sched[(b, c, layer)]
 
     def step(self, batch: int, max_context: int | None = None) -> tuple[LayerSchedule, ...]:
         """Every layer's schedule for a step (one lookup per step, as a static split computes its num_splits once
         per step for all layers): the per-layer host work is an index into this tuple."""
-        return self._steps[self._keys(batch, max_context)]
+        key = self._keys(batch, max_context)
+        if batch == key[0] and self._paired_steps:  # exactly the bucket's rows (a graphed step): SM-balanced
+            return self._paired_steps[key]
+        return self._steps[key]
 
     def canonical_context(self, batch: int, max_context: int | None = None) -> int:
         """The smallest context bucket whose maps equal this one's for the batch: decode graphs are captured
@@ -84,4 +108,4 @@ class AotSplitTable:
         return self.split_maps[self._keys(batch, max_context)]
 
 
-__all__ = ["AotSplitTable"]
+__all__ = ["AotSplitTable", "ORDERS"]
