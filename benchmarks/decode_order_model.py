@@ -17,32 +17,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from tangram.budgets import constant_profile, head_groups, synthetic_profile
+from tangram.budgets import head_groups
 from tangram.config import get_model
 from tangram.kernels.bench.cases import layer_lens
-from tangram.kernels.bench.timing import L2_BYTES
 from tangram.kernels.report import _md_table
 from tangram.planner import DecodeCosts, dispatch_time, launch_layer_times, wave_launch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_split_tile import point_profile  # noqa: E402 (a sibling script: the same points the kernels timed)
 
 
 def case_layers(m, prof_name: str, batch: int, ctx: int):
     """(lens [calls, H] in slot order, H_p) of the benchmark's case for this point (decode_split_tile.run_point)."""
-    L, H = m.num_layers, m.num_kv_heads
-    if prof_name == "uniform":
-        Bratio, Hp = constant_profile(L, H, 1.0).B, H
-    else:
-        Bratio = synthetic_profile(L, H, 0.25, alpha=2.0, seed=0, model=m.name).B
-        Hp = 4 if prof_name == "paper" else 1
-    per_layer = batch * H * ctx * 2 * m.head_dim * 2 * float(Bratio.mean())
-    n_calls = int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
+    Bratio, Hp, n_calls = point_profile(m, prof_name, batch, ctx)
     lens = layer_lens(Bratio, head_groups(Bratio, Hp), ctx)
-    return np.stack([lens[c % L] for c in range(n_calls)]), Hp
+    return np.stack([lens[c % m.num_layers] for c in range(n_calls)]), Hp
 
 
 def price(m, lens: np.ndarray, batch: int, order: str, n_occ: int, costs: DecodeCosts, bw: float) -> dict:

@@ -54,22 +54,9 @@ def split_maps(case: DecodeCase, n_occ: int, costs, num_sms: int) -> dict[str, n
     return maps
 
 
-def paired_schedule(S_row, Hp: int, batch: int, weights, num_sms: int, device) -> "dec.LayerSchedule":
-    """An experiment's varlen schedule (every (request, slot, split) an item): pieces sorted heaviest first, the
-    first ``num_sms`` kept in that order and the rest reversed, so when the GPU hands block i of a one-wave launch
-    to SM i mod num_sms each SM pairs a heavy piece with a light one."""
-    ns = np.repeat(np.asarray(S_row, dtype=np.int64), Hp)
-    one = dec._slot_items(ns)
-    items = np.concatenate([np.column_stack([one[:, :2], np.full(len(one), b)]) for b in range(batch)])
-    piece = (np.asarray(weights, dtype=np.float64) / ns)[items[:, 0]]
-    idx = np.argsort(-piece, kind="stable")
-    idx = np.concatenate([idx[:num_sms], idx[num_sms:][::-1]])
-    nsplit = torch.from_numpy(np.tile(ns, (batch, 1)).astype(np.int32)).to(device)
-    return dec.LayerSchedule(torch.from_numpy(items[idx].astype(np.int32)).to(device), nsplit, int(ns.max()),
-                             per_request=False)
-
-
-def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, bw, rows, paired_sms=0):
+def point_profile(m, prof_name: str, batch: int, ctx: int):
+    """(budget ratios [L, H], H_p, layer-calls) of a point: the roofline's synthetic profile (``paper`` H_p 4,
+    ``tuned`` H_p 1) or ``uniform`` (full context, H_p = H), and enough calls to stream 4x the L2 per replay."""
     L, H = m.num_layers, m.num_kv_heads
     if prof_name == "uniform":
         Bratio, Hp = constant_profile(L, H, 1.0).B, H
@@ -77,7 +64,11 @@ def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, b
         Bratio = synthetic_profile(L, H, 0.25, alpha=2.0, seed=0, model=m.name).B
         Hp = 4 if prof_name == "paper" else 1
     per_layer = batch * H * ctx * 2 * m.head_dim * 2 * float(Bratio.mean())
-    n_calls = int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
+    return Bratio, Hp, int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
+
+
+def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, bw, rows, paired_sms=0):
+    Bratio, Hp, n_calls = point_profile(m, prof_name, batch, ctx)
     case = DecodeCase(arena, m, batch, ctx, 0.25, Hp, 0, 16, Bratio, n_calls)
     maps = split_maps(case, n_occ, costs, num_sms)
     variants = []  # (name, merge, config, schedules)
@@ -92,7 +83,8 @@ def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, b
             for cfg in configs[:2]:
                 variants.append((name + "_lpt", mg, cfg, lpt, S))
             if paired_sms:  # one wave: the num_sms heaviest first, then the rest lightest first (SM k: k-th of each)
-                pr = [paired_schedule(S[l], Hp, batch, Bs[l], paired_sms, arena.device) for l in case.layers]
+                pr = [dec.paired_schedule(S[l], Hp, batch, Bs[l], paired_sms, n_occ, arena.device)
+                      for l in case.layers]
                 if max(p.n_items for p in pr) <= n_occ:
                     for cfg in configs[:2]:
                         variants.append((name + "_paired", mg, cfg, pr, S))

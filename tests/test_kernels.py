@@ -105,11 +105,9 @@ def test_decode_monolithic_layer_view(dtype):
             assert rel(o, ref) < TOL[dtype], f"{name} layer {layer}: {rel(o, ref)}"
 
 
-@settings(max_examples=8, deadline=None)
-@given(B=st.integers(1, 3), Hp=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),
-       splits=st.lists(st.integers(1, 5), min_size=4, max_size=4), maxlen=st.integers(0, 30))
-def test_decode_any_split_map_is_exact(B, Hp, seed, splits, maxlen):
-    """Any split map (and any runtime-plan N_CTA) computes the same function: splitting never changes the result."""
+def _split_case(B, Hp, seed, maxlen):
+    """A float32 decode case of 4 KV heads x 2 query heads each, random lengths up to ``maxlen``, and its float64
+    reference: (generator, H, q, pool, block table, lengths, slot_to_head, reference output)."""
     gen = torch.Generator().manual_seed(seed)
     H, gq = 4, 2
     lens = torch.randint(0, maxlen + 1, (B, H), generator=gen).to(torch.int32)
@@ -117,6 +115,15 @@ def test_decode_any_split_map_is_exact(B, Hp, seed, splits, maxlen):
     s2h = torch.randperm(H, generator=gen).to(torch.int32)
     q = torch.randn(B, H * gq, D, generator=gen)
     ref = ref_paged_decode(q, pool, bt, lens, s2h, page_size=P, heads_per_group=Hp)
+    return gen, H, q, pool, bt, lens, s2h, ref
+
+
+@settings(max_examples=8, deadline=None)
+@given(B=st.integers(1, 3), Hp=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1),
+       splits=st.lists(st.integers(1, 5), min_size=4, max_size=4), maxlen=st.integers(0, 30))
+def test_decode_any_split_map_is_exact(B, Hp, seed, splits, maxlen):
+    """Any split map (and any runtime-plan N_CTA) computes the same function: splitting never changes the result."""
+    gen, H, q, pool, bt, lens, s2h, ref = _split_case(B, Hp, seed, maxlen)
     o = torch.full_like(q, float("nan"))
     paged_decode(q, pool, bt, lens, s2h, np.array(splits[: H // Hp]), page_size=P, heads_per_group=Hp, out=o)
     assert torch.isfinite(o).all()
@@ -135,13 +142,7 @@ def test_decode_longest_first_order_is_the_same_function(B, Hp, seed, splits, ma
     launch computes: every (request, slot, split) is still one program, with or without a merge."""
     from tangram.kernels.decode import launch_decode, schedule_from_split_map
 
-    gen = torch.Generator().manual_seed(seed)
-    H, gq = 4, 2
-    lens = torch.randint(0, maxlen + 1, (B, H), generator=gen).to(torch.int32)
-    pool, bt = _ragged(B, H, Hp, lens, torch.float32, gen)
-    s2h = torch.randperm(H, generator=gen).to(torch.int32)
-    q = torch.randn(B, H * gq, D, generator=gen)
-    ref = ref_paged_decode(q, pool, bt, lens, s2h, page_size=P, heads_per_group=Hp)
+    gen, H, q, pool, bt, lens, s2h, ref = _split_case(B, Hp, seed, maxlen)
     w = torch.rand(H, generator=gen).numpy()
     sched = schedule_from_split_map(np.array(splits[: H // Hp]), Hp, lpt_weights=w)
     assert sched.item_major
@@ -166,13 +167,7 @@ def test_decode_paired_order_is_the_same_function(B, Hp, seed, splits, maxlen, s
     launch computes, through the interpreted kernel, against the float64 reference."""
     from tangram.kernels.decode import launch_decode, paired_schedule
 
-    gen = torch.Generator().manual_seed(seed)
-    H, gq = 4, 2
-    lens = torch.randint(0, maxlen + 1, (B, H), generator=gen).to(torch.int32)
-    pool, bt = _ragged(B, H, Hp, lens, torch.float32, gen)
-    s2h = torch.randperm(H, generator=gen).to(torch.int32)
-    q = torch.randn(B, H * gq, D, generator=gen)
-    ref = ref_paged_decode(q, pool, bt, lens, s2h, page_size=P, heads_per_group=Hp)
+    gen, H, q, pool, bt, lens, s2h, ref = _split_case(B, Hp, seed, maxlen)
     w = torch.rand(H, generator=gen).numpy()
     row = np.array(splits[: H // Hp])
     sched = paired_schedule(row, Hp, B, w, sms, occ)
