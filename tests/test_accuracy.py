@@ -470,6 +470,15 @@ def test_tiny_accuracy_run_writes_table_and_report(tmp_path, smollm2):
                                                            for x in t.rows if x["ci_low"] is not None)
     md = (out / "report.md").read_text()
     assert "same KV bytes" in md and "[" in md and "Wilson" in md
+    assert "![accuracy vs context length](curve.png)" in md and (out / "curve.png").is_file()
+    # a run without a curve (--curve ''; lengths fixed by --tasks) says so: no empty table, no missing image
+    d["results"]["raw"]["curve"] = []
+    (out / "results.json").write_text(json.dumps(d))
+    (out / "curve.png").unlink()
+    with pytest.raises(SystemExit):
+        main(["--report-only", "-o", str(out)])
+    md = (out / "report.md").read_text()
+    assert "No curve was measured" in md and "curve.png" not in md and "| task |  |" not in md
     bad = subprocess.run([sys.executable, "-m", "tangram.profiles.accuracy_report", "--scopes", "diagonal", "-o",
                           str(out)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "diagonal" in bad.stderr

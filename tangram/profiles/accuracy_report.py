@@ -710,7 +710,9 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
           f"outcome of the task (mt_niah: its first turn and its follow-up) has a 95% Wilson lower bound >= "
           f"{meta.get('length_floor', LENGTH_FLOOR):.0%}; the curve is measured longest length first and a task "
           "leaves it at the first length that passes (shorter ones could not be chosen).", ""]
-    L += curve_lines + [""]
+    measured = len(curve_lines) > 2  # a header and its rule: no curve length was measured (--curve '')
+    L += (curve_lines if measured else ["No curve was measured (`--curve` empty): the task lengths are the ones "
+                                        "`--tasks` fixed."]) + [""]
     for t, c in (res.get("lengths") or {}).items():
         chosen = meta["tasks"].get(t)
         how = (f"fixed at {chosen} by --tasks" if c.get("fixed") is not None else
@@ -718,7 +720,7 @@ def markdown(res: dict, agg: dict, comps: list[dict], meta: dict, lists: dict, c
                ("" if c["passed"] else f" -- **no measured length clears {meta.get('length_floor', LENGTH_FLOOR):.0%}**"
                 " (the highest lower bound is taken)"))
         L.append(f"- `{t}`: {how}")
-    L += ["", "![accuracy vs context length](curve.png)", ""]
+    L += ["", "![accuracy vs context length](curve.png)", ""] if measured else [""]
     if not agg["outcomes"]:
         return "\n".join(L)
     L += ["## Full cache at the chosen lengths", "", "| task | accuracy [95% CI] | n | prompt tokens |", "|---|---|---|---|"]
