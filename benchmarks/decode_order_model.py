@@ -18,19 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from tangram.budgets import head_groups
 from tangram.config import get_model
-from tangram.kernels.bench.cases import layer_lens
+from tangram.kernels.bench.cases import layer_lens, point_profile
 from tangram.kernels.report import _md_table
 from tangram.planner import DecodeCosts, dispatch_time, launch_layer_times, wave_launch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_split_tile import point_profile  # noqa: E402 (a sibling script: the same points the kernels timed)
 
 
 def case_layers(m, prof_name: str, batch: int, ctx: int):

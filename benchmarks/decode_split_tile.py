@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tangram.budgets import constant_profile, synthetic_profile
 from tangram.config import get_model, gpu_for_device_name
 from tangram.engine.roofline import copy_bandwidth
 from tangram.engine.split_table import AotSplitTable
 from tangram.kernels import decode as dec
-from tangram.kernels.bench.cases import Arena, DecodeCase
-from tangram.kernels.bench.timing import L2_BYTES, log, time_graphs
+from tangram.kernels.bench.cases import Arena, DecodeCase, point_profile
+from tangram.kernels.bench.timing import log, time_graphs
 from tangram.kernels.reference import ref_paged_decode
 from tangram.planner import DecodeCosts, aot_n_cta, aot_split_map, tables_dir
 
@@ -52,19 +50,6 @@ def split_maps(case: DecodeCase, n_occ: int, costs, num_sms: int) -> dict[str, n
                           head_dim=case.d, num_sms=num_sms)
     maps["routed"] = table.split_map(b, ctx)
     return maps
-
-
-def point_profile(m, prof_name: str, batch: int, ctx: int):
-    """(budget ratios [L, H], H_p, layer-calls) of a point: the roofline's synthetic profile (``paper`` H_p 4,
-    ``tuned`` H_p 1) or ``uniform`` (full context, H_p = H), and enough calls to stream 4x the L2 per replay."""
-    L, H = m.num_layers, m.num_kv_heads
-    if prof_name == "uniform":
-        Bratio, Hp = constant_profile(L, H, 1.0).B, H
-    else:
-        Bratio = synthetic_profile(L, H, 0.25, alpha=2.0, seed=0, model=m.name).B
-        Hp = 4 if prof_name == "paper" else 1
-    per_layer = batch * H * ctx * 2 * m.head_dim * 2 * float(Bratio.mean())
-    return Bratio, Hp, int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
 
 
 def run_point(arena, m, prof_name, batch, ctx, n_occ, costs, num_sms, configs, bw, rows, paired_sms=0):

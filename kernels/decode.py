@@ -201,15 +201,21 @@ def _slot_items(nsplit_slot: np.ndarray) -> np.ndarray:
     return np.stack([slots, split, np.zeros_like(slots)], axis=1).astype(np.int32)
 
 
+def _split_row(split_map) -> np.ndarray:
+    """A layer's split map row ``S[l]`` ([G] ints, a tensor or anything numpy reads) as int64, checked >= 1."""
+    s = np.asarray(split_map.cpu() if isinstance(split_map, torch.Tensor) else split_map, dtype=np.int64).reshape(-1)
+    if s.size == 0 or np.any(s < 1):
+        raise ConfigError(f"split map row must be >= 1 for every group, got {s.tolist()}")
+    return s
+
+
 def schedule_from_split_map(split_map, heads_per_group: int, device="cpu", *, lpt_weights=None) -> LayerSchedule:
     """Items for one layer from its split map row ``S[l]`` ([G]): every head of group g gets S[l, g] splits.
 
     ``lpt_weights`` ([H], a slot's expected length, e.g. its budget): launch longest first (LPT list scheduling):
     items sorted by weight / splits, descending, in an item-major grid, so every request's longest pieces are
     dispatched before any shorter one and the last wave holds the shortest."""
-    s = np.asarray(split_map.cpu() if isinstance(split_map, torch.Tensor) else split_map, dtype=np.int64).reshape(-1)
-    if s.size == 0 or np.any(s < 1):
-        raise ConfigError(f"split map row must be >= 1 for every group, got {s.tolist()}")
+    s = _split_row(split_map)
     ns = np.repeat(s, heads_per_group)
     items = _slot_items(ns)
     if lpt_weights is not None:
@@ -231,9 +237,7 @@ def paired_schedule(split_map, heads_per_group: int, batch: int, weights, num_sm
     the later waves longest first. A one-wave launch is limited by its most loaded SM, not only by its longest CTA
     (reports/engine/roofline/README.md, H200 2026-11-29). Only for launches of exactly ``batch`` rows: a smaller
     batch would read rows it does not have (the split table uses it for graphed steps, padded to their bucket)."""
-    s = np.asarray(split_map.cpu() if isinstance(split_map, torch.Tensor) else split_map, dtype=np.int64).reshape(-1)
-    if s.size == 0 or np.any(s < 1):
-        raise ConfigError(f"split map row must be >= 1 for every group, got {s.tolist()}")
+    s = _split_row(split_map)
     ns = np.repeat(s, heads_per_group)
     w = np.asarray(weights, dtype=np.float64).reshape(-1)
     if w.shape != ns.shape:

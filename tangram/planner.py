@@ -58,6 +58,9 @@ def pow2_bucket(n: int) -> int:
 
 AOT_MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more (empty CTAs, a longer merge) than it balances
 AOT_MAX_SPLITS = 128
+# orders of an AOT decode launch's work items (tangram.engine.split_table.AotSplitTable, ExecutorOptions.decode_order):
+# request-major; longest piece first; longest first with a bucket's exact launch balanced per SM in its first wave
+DECODE_ORDERS = ("request", "lpt", "paired")
 AOT_MAX_CONTEXT = 131072  # the largest context bucket of the split table (the bucket a lookup without one uses)
 
 

@@ -1,13 +1,29 @@
 """Decode cases of the kernel benchmark: random KV pages in one arena, ragged and monolithic tables, FlashInfer."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from tangram.budgets import head_groups
+from tangram.budgets import constant_profile, head_groups, synthetic_profile
 from tangram.kernels import decode as dec
 
-from .timing import time_host
+from .timing import L2_BYTES, time_host
+
+
+def point_profile(m, prof_name: str, batch: int, ctx: int):
+    """(budget ratios [L, H], H_p, layer-calls) of a decode point of the roofline benchmarks: ``paper`` (the
+    synthetic profile at rho 0.25, alpha 2, H_p 4), ``tuned`` (the same, H_p 1) or ``uniform`` (full context,
+    H_p = H), and enough layer-calls for one replay to stream 4x the L2."""
+    L, H = m.num_layers, m.num_kv_heads
+    if prof_name == "uniform":
+        Bratio, Hp = constant_profile(L, H, 1.0).B, H
+    else:
+        Bratio = synthetic_profile(L, H, 0.25, alpha=2.0, seed=0, model=m.name).B
+        Hp = 4 if prof_name == "paper" else 1
+    per_layer = batch * H * ctx * 2 * m.head_dim * 2 * float(Bratio.mean())
+    return Bratio, Hp, int(min(2 * L, max(4, math.ceil(4 * L2_BYTES / per_layer))))
 
 
 class Arena:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
 from tangram.errors import ConfigError
+from tangram.planner import DECODE_ORDERS
 
 DEFAULT_OUT = "tangram-bench-out"
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--async-steps", action="store_true",
                    help="asynchronous decode steps: a graphed pure-decode step is planned and launched before the "
                         "previous one's tokens reach the host (ExecutorOptions.async_steps; one GPU only)")
-    p.add_argument("--decode-order", choices=("request", "lpt", "paired"), default="request",
+    p.add_argument("--decode-order", choices=DECODE_ORDERS, default="request",
                    help="AOT decode launch order (ExecutorOptions.decode_order): request-major (what the shipped "
                         "decode costs were fitted on), the longest pieces first (faster on multi-wave batches: "
                         "reports/engine/roofline/README.md; the simulator prices request order), or paired (longest "
@@ -75,9 +76,7 @@ def trace_kv_bound_bytes(trace, model_cfg, engine) -> int:
     uncompressed at once, plus a chunk and a page (every table's partial last page) per session, twice over. A pool
     this large never evicts, preempts or reaches the admission watermark (1% of the pool), so any larger pool serves
     the trace identically (64 MiB more for block-table slack on tiny traces)."""
-    tot: dict[str, int] = {}
-    for t in trace.turns:
-        tot[t.session_id] = tot.get(t.session_id, 0) + t.new_tokens + t.output_tokens
+    tot = session_tokens(trace)
     tokens = sum(tot.values()) + len(tot) * (engine.chunk_size + engine.page_size)
     per_token = model_cfg.num_layers * model_cfg.num_kv_heads * 2 * model_cfg.head_dim * model_cfg.dtype_bytes
     return 2 * tokens * per_token + 2**26
@@ -125,12 +124,17 @@ def _mini_trace(engine):
     return Trace(turns)
 
 
-def max_session_tokens(trace) -> int:
-    """The longest session's tokens (every turn's prompt and output): what one block table can hold at most."""
+def session_tokens(trace) -> dict[str, int]:
+    """Each session's tokens: every turn's new prompt tokens and output (its whole context at the end)."""
     tot: dict[str, int] = {}
     for t in trace.turns:
         tot[t.session_id] = tot.get(t.session_id, 0) + t.new_tokens + t.output_tokens
-    return max(tot.values(), default=1)
+    return tot
+
+
+def max_session_tokens(trace) -> int:
+    """The longest session's tokens: what one block table can hold at most."""
+    return max(session_tokens(trace).values(), default=1)
 
 
 class GcPauses:

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.cli import Parser, cli_main, output_dir
+from tangram.planner import DECODE_ORDERS
 
 CATEGORIES = (  # (name, kernel-name pattern), first match wins
     ("decode_attention", r"_decode_split_kernel"),
@@ -643,7 +644,7 @@ def _parser():
                    help="also run N mixed steps of each chunk under cProfile: host_profile_CONFIG_chunkC.txt")
     p.add_argument("--decode-tile", help="decode kernel tile BLOCK_NxWARPSxSTAGES (ExecutorOptions.decode_config; "
                    "default the shipped tile, tangram.kernels.decode.DEFAULT_CONFIG)")
-    p.add_argument("--decode-order", choices=("request", "lpt", "paired"), default="request",
+    p.add_argument("--decode-order", choices=DECODE_ORDERS, default="request",
                    help="AOT decode launch order (ExecutorOptions.decode_order): request-major, or longest pieces "
                         "first (A/B knob)")
     p.add_argument("--graph-layers", type=int, help="layers per captured decode graph (ExecutorOptions.graph_layers; "

@@ -13,11 +13,8 @@ import numpy as np
 from tangram.budgets import check_group_size
 from tangram.errors import ConfigError
 from tangram.kernels.decode import LayerSchedule, paired_schedule, schedule_from_split_map
-from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, MIN_CONTEXT_BUCKET, DecodeCosts,
-                             aot_bucket_split_map, decode_context_bucket, pow2_bucket)
-
-
-ORDERS = ("request", "lpt", "paired")  # decode launch orders (ExecutorOptions.decode_order)
+from tangram.planner import (AOT_MAX_CONTEXT, AOT_MAX_SPLITS, AOT_MIN_SPLIT_TOKENS, DECODE_ORDERS, MIN_CONTEXT_BUCKET,
+                             DecodeCosts, aot_bucket_split_map, decode_context_bucket, pow2_bucket)
 
 
 class AotSplitTable:
@@ -30,8 +27,8 @@ class AotSplitTable:
                  head_dim: int = 128, dtype_bytes: int = 2, num_sms: int | None = None, device="cpu",
                  order: str = "request"):
         B = np.asarray(B, dtype=np.float64)
-        if order not in ORDERS:
-            raise ConfigError(f"decode launch order {order!r}: expected one of {', '.join(ORDERS)}")
+        if order not in DECODE_ORDERS:
+            raise ConfigError(f"decode launch order {order!r}: expected one of {', '.join(DECODE_ORDERS)}")
         if order == "paired" and num_sms is None:
             raise ConfigError("decode launch order 'paired' needs num_sms (the GPU's SMs)")
         # "lpt": items longest first (a slot's budget over its splits) in an item-major grid (schedule_from_split_map);
@@ -108,4 +105,4 @@ class AotSplitTable:
         return self.split_maps[self._keys(batch, max_context)]
 
 
-__all__ = ["AotSplitTable", "ORDERS"]
+__all__ = ["AotSplitTable"]
