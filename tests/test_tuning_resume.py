@@ -172,8 +172,10 @@ def test_postgres_two_workers_kill_one(tmp_path, tiny_trace):
 def test_stale_trial_failed_even_when_study_already_complete(tmp_path, tiny_trace):
     """A restart that has no trial left to run must still fail the killed worker's RUNNING trial."""
     url = f"sqlite:///{tmp_path / 'study.db'}"
+    # 25 trials, as in test_sqlite_sigkill_and_resume: with 6 a fast worker finished the whole study between two
+    # polls of the storage (CI, "worker ended before it could be killed")
     for _ in range(3):
-        w = _worker(tiny_trace, url, "stale", tmp_path / "out", 6)
+        w = _worker(tiny_trace, url, "stale", tmp_path / "out", 25)
         before, killed = _kill_mid_trial(w, url, "stale")
         if killed is not None:
             break

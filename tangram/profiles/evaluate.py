@@ -654,6 +654,8 @@ _W: dict = {}
 
 def init_worker(model_name: str, weights: str, threads: int, modes: list[Mode], opts: dict) -> None:
     """Load the model and tokenizer once per process (``torch.set_num_threads(threads)``)."""
+    from tangram.host_memory import retain_freed_memory
+    retain_freed_memory()  # the rows' caches are large and short-lived: reuse their pages (same results)
     torch.set_num_threads(max(1, threads))
     from tangram.tokenizer import load_tokenizer
     from tangram.engine.weights import load_model
