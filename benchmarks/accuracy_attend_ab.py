@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tangram.config import get_model
     from tangram.profiles import evaluate as E
-    from tangram.profiles.accuracy_report import _resolve_lists, build_parser, job_options
+    from tangram.profiles.accuracy_report import _resolve_lists, build_parser, job_options, profile_dirs
     path = Path(ns.old) / "tangram" / "profiles" / "evaluate.py"
     spec = importlib.util.spec_from_file_location("old_evaluate", path)
     old = importlib.util.module_from_spec(spec)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     lists = _resolve_lists(args)
     cfg = get_model(args.model)
     modes, _ = E.build_modes(cfg.num_layers, cfg.num_kv_heads, lists["scorers"], lists["scopes"], lists["rhos"],
-                             lists["alphas"], E.ProfileStore(cfg.name, [args.profiles]))
+                             lists["alphas"], E.ProfileStore(cfg.name, profile_dirs(args.profiles, Path(args.out))))
     E.init_worker(args.model, args.weights, 1, modes, job_options(args))
     tok, model = E._W["tok"], E._W["task_model"]
 

@@ -45,12 +45,13 @@ def run(ns, rest: list[str]) -> int:
 
     from tangram.config import get_model
     from tangram.profiles import evaluate
-    from tangram.profiles.accuracy_report import _job_of, _jsonable, _resolve_lists, build_parser, job_options
+    from tangram.profiles.accuracy_report import (_job_of, _jsonable, _resolve_lists, build_parser, job_options,
+                                                  profile_dirs)
     torch.set_num_threads(1)
     args = build_parser().parse_args(rest)
     lists = _resolve_lists(args)
     cfg = get_model(args.model)
-    dirs = [d.strip() for d in args.profiles.split(",") if d.strip()] + [str(Path(args.out) / "profiles")]
+    dirs = profile_dirs(args.profiles, Path(args.out))
     store = evaluate.ProfileStore(cfg.name, dirs)
     modes, _ = evaluate.build_modes(cfg.num_layers, cfg.num_kv_heads, lists["scorers"], lists["scopes"],
                                     lists["rhos"], lists["alphas"], store, matched=not args.no_matched)

@@ -705,3 +705,29 @@ def test_f32compute_model_is_the_bfloat16_model_with_float32_gemms(smollm2):
     assert (out["bf"].argmax(-1) == out["fc"].argmax(-1)).float().mean() >= 0.85
     d_bf, d_fc = (out["bf"] - out["f32"]).abs().mean(), (out["fc"] - out["f32"]).abs().mean()
     assert d_fc < 2 * d_bf and d_bf < 2 * d_fc
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--alphas", "nan"], "--alphas: expected finite numbers"),
+    (["--alphas", "inf"], "--alphas: expected finite numbers"),
+    (["--alphas", ","], "--alphas must be margins >= 0"),
+    (["--alphas", "-1"], "--alphas must be margins >= 0"),
+    (["--rhos", "nan"], "--rhos"),
+    (["--curve", "100.7"], "--curve: expected whole token counts"),
+    (["--curve", "0"], "--curve: expected whole token counts"),
+    (["--tasks", "passkey=0"], "passkey's length must be >= 1"),
+    (["--kl-samples", "-1"], "--kl-samples must be >= 0, got -1"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+])
+def test_accuracy_cli_bad_values_name_their_option(argv, needle):
+    """Each bad value is refused before any work, by the option it came in (NaN used to run a whole report)."""
+    from tangram.profiles.accuracy_report import _resolve_lists, build_parser
+    with pytest.raises(ConfigError) as e:
+        _resolve_lists(build_parser().parse_args(argv + ["-o", "unused"]))
+    assert needle in str(e.value)
+
+
+def test_accuracy_cli_curve_lengths_in_exponent_form_are_whole_numbers():
+    from tangram.profiles.accuracy_report import _resolve_lists, build_parser
+    assert _resolve_lists(build_parser().parse_args(["--curve", "1e3,512", "-o", "unused"]))["curve"] == [512, 1000]

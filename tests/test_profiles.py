@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from tangram.profiles.corpus import (TASKS, answer_correct, build_corpus, code_s
                                         stdlib_files)
 from tangram.profiles.scoring import global_topk_mask, per_head_topk_mask
 from tangram.config import get_model
+from tangram.errors import ConfigError
 from tangram.engine.model import AttnEvent, Session, TorchAttention, attention_probs
 from tangram.engine.weights import build_model, random_state_dict
 
@@ -174,7 +176,12 @@ def test_one_forward_serves_every_method(smollm2):
                                       (["--scope", "per-layer,cross-layer"], "{scope}"),
                                       (["--scope", "uniform"], "no calibration"),
                                       (["--scope", "global"], "unknown budget scope"),
-                                      (["--method", "pyramidkv", "--scope", "cross-layer"], "pyramid")])
+                                      (["--method", "pyramidkv", "--scope", "cross-layer"], "pyramid"),
+                                      (["--alpha", "nan"], "--alpha must be a finite margin >= 0, got nan"),
+                                      (["--alpha", "inf"], "--alpha must be a finite margin"),
+                                      (["--threads", "0"], "--threads must be >= 1, got 0"),
+                                      (["--samples", "0"], "--samples must be >= 1, got 0"),
+                                      (["--chunk-size", "1"], "--chunk-size must be >= 2, got 1")])
 def test_bad_cli_input_is_one_line_exit_2(tmp_path, capsys, argv, msg):
     from tangram.profiles import cli
     with pytest.raises(SystemExit) as e:
@@ -221,3 +228,35 @@ def test_group_max_budgets():
     eff = tangram_budgets(prof, 2)
     assert np.allclose(eff, [[0.3, 0.9, 0.3, 0.9], [0.4, 0.4, 0.8, 0.8]])
     assert np.all(eff >= B) and np.allclose(tangram_budgets(prof, 1), B)
+
+
+@pytest.mark.parametrize("argv,msg", [(["--rhos", "nan"], "--rhos must be ratios in (0, 1]"),
+                                      (["--rhos", "2"], "--rhos must be ratios in (0, 1]"),
+                                      (["--method", "nope"], "--method: unknown scoring method 'nope'"),
+                                      (["--samples-per-task", "0"], "--samples-per-task must be >= 1, got 0"),
+                                      (["--max-new", "0"], "--max-new must be >= 1, got 0"),
+                                      (["--threads", "0"], "--threads must be >= 1, got 0"),
+                                      (["--method", "tova", "--rhos", "0.33"], "no shipped tova per-layer profile")])
+def test_fidelity_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, argv, msg):
+    from tangram.profiles import fidelity
+    with pytest.raises(SystemExit) as e:
+        fidelity.main(argv + ["--no-progress", "-o", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err
+
+
+def test_shipped_profiles_are_found_from_any_working_directory(tmp_path, monkeypatch):
+    """The fidelity and accuracy tools' default profiles come from the installed package, not from a path
+    relative to the repository root (run elsewhere, the fidelity tool said 'profile file not found' and the
+    accuracy report would have calibrated every profile again)."""
+    from tangram.profiles.accuracy_report import profile_dirs
+    from tangram.profiles.fidelity import _profile_path
+    from tangram.profiles.registry import DATA_DIR
+    monkeypatch.chdir(tmp_path)
+    p = _profile_path(None, "smollm2-135m", "tova", 0.5)
+    assert p.is_file() and p.parent == DATA_DIR and p.name == "smollm2-135m_tova_per-layer_rho0.5.npz"
+    assert _profile_path("mine_{rho}.npz", "smollm2-135m", "tova", 0.5) == Path("mine_0.5.npz")
+    assert profile_dirs(None, tmp_path / "o") == [str(DATA_DIR), str(tmp_path / "o" / "profiles")]
+    with pytest.raises(ConfigError, match="--profiles: nowhere is not a folder"):
+        profile_dirs("nowhere", tmp_path / "o")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -42,6 +43,8 @@ def _pairs(text: str, what: str) -> dict[str, int | None]:
             out[k.strip()] = int(v) if sep else None
         except ValueError:
             raise ConfigError(f"{what}: expected TASK[=TOKENS],... got {part!r}") from None
+        if sep and out[k.strip()] < 1:
+            raise ConfigError(f"{what}: {k.strip()}'s length must be >= 1 token, got {part!r}")
     return out
 
 
@@ -88,9 +91,33 @@ def curve_points(rows: list[dict]) -> dict[str, dict[int, list[list[bool]]]]:
 
 def _floats(text: str, what: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        out = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{what}: expected numbers separated by commas, got {text!r}") from None
+    if not all(math.isfinite(x) for x in out):
+        raise ConfigError(f"{what}: expected finite numbers, got {text!r}")
+    return out
+
+
+def _lengths(text: str, what: str) -> list[int]:
+    """Token counts: positive whole numbers (``1e3`` is 1000, ``100.7`` is refused, not truncated)."""
+    vals = _floats(text, what)
+    if any(v < 1 or v != int(v) for v in vals):
+        raise ConfigError(f"{what}: expected whole token counts >= 1, got {text!r}")
+    return [int(v) for v in vals]
+
+
+def profile_dirs(profiles: str | None, out: Path) -> list[str]:
+    """The folders searched for budget profiles: ``--profiles`` (each must exist: a typo would otherwise send
+    the run into calibrating every profile again) or the package's shipped ones, then OUT/profiles."""
+    from tangram.profiles.registry import DATA_DIR
+    if profiles is None:
+        return [str(DATA_DIR), str(Path(out) / "profiles")]
+    dirs = [d.strip() for d in profiles.split(",") if d.strip()]
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--profiles: {d} is not a folder")
+    return dirs + [str(Path(out) / "profiles")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "samples per task")
     p.add_argument("--workers", type=int, default=2, help="processes (each loads the model)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--profiles", default="tangram/profiles/data",
-                   help="comma list of folders with budget profiles (OUT/profiles is searched too)")
+    p.add_argument("--profiles", default=None,
+                   help="comma list of folders with budget profiles (default: the shipped ones, "
+                        "tangram/profiles/data of the installed package; OUT/profiles is searched too)")
     p.add_argument("--calibrate-missing", type=int, default=50,
                    help="calibrate profiles that no folder has on this many scbench-synth calib samples "
                         "(0: skip those tangram rows)")
@@ -165,16 +193,19 @@ def _resolve_lists(args) -> dict:
     rhos, alphas = _floats(args.rhos, "--rhos"), _floats(args.alphas, "--alphas")
     if not rhos or any(not 0 < r < 1 for r in rhos):
         raise ConfigError(f"--rhos must be ratios in (0, 1), got {args.rhos!r}")
-    if any(a < 0 for a in alphas):
-        raise ConfigError(f"--alphas must be >= 0, got {args.alphas!r}")
-    curve = sorted({int(x) for x in _floats(args.curve, "--curve")}) if args.curve.strip() else []
+    if not alphas or any(a < 0 for a in alphas):
+        raise ConfigError(f"--alphas must be margins >= 0, got {args.alphas!r}")
+    curve = sorted(set(_lengths(args.curve, "--curve"))) if args.curve.strip() else []
     if any(n is None for n in tasks.values()) and not (curve and args.curve_samples > 0):
         raise ConfigError("--tasks: a task without =TOKENS needs the curve to choose its length "
                           "(--curve and --curve-samples > 0)")
     if not 0 < args.length_floor < 1:
         raise ConfigError(f"--length-floor must be in (0, 1), got {args.length_floor}")
-    if args.samples < 0 or args.kl_samples < 0 or args.curve_samples < 0 or args.batch < 1 or args.workers < 1:
-        raise ConfigError("--batch and --workers must be >= 1; --samples, --kl-samples, --curve-samples >= 0")
+    for flag, v, lo in (("--samples", args.samples, 0), ("--kl-samples", args.kl_samples, 0),
+                        ("--curve-samples", args.curve_samples, 0), ("--batch", args.batch, 1),
+                        ("--workers", args.workers, 1)):
+        if v < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
     if not 2 <= args.turns <= 4:
         raise ConfigError(f"--turns must be 2..4, got {args.turns}")
     return {"tasks": tasks, "scorers": scorers, "scopes": scopes, "rhos": rhos, "alphas": alphas, "curve": curve}
@@ -222,7 +253,7 @@ def run(args, lists: dict, out: Path) -> dict:
     L, H = cfg.num_layers, cfg.num_kv_heads
     t_start = time.time()
     timings = {}
-    dirs = [d.strip() for d in args.profiles.split(",") if d.strip()] + [str(out / "profiles")]
+    dirs = profile_dirs(args.profiles, out)
     opts = job_options(args)
     common = dict(workers=args.workers, threads=args.threads, model_name=args.model, weights=args.weights,
                   progress=not args.no_progress)

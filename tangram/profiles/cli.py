@@ -114,10 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("several --scope values need an output pattern containing {scope}")
     if len(methods) > 1 and "{method}" not in args.output:
         raise ConfigError("several --method values need an output pattern containing {method}")
-    if args.samples < 1 or args.context_tokens < 16 or args.chunk_size < 2:
-        raise ConfigError("--samples >= 1, --context-tokens >= 16 and --chunk-size >= 2 are required")
-    if args.alpha < 0:
-        raise ConfigError(f"--alpha must be >= 0, got {args.alpha}")
+    for flag, v, lo in (("--samples", args.samples, 1), ("--context-tokens", args.context_tokens, 16),
+                        ("--chunk-size", args.chunk_size, 2), ("--threads", 1 if args.threads is None else args.threads, 1)):
+        if v < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    if not args.alpha >= 0 or args.alpha == float("inf"):  # NaN fails both comparisons
+        raise ConfigError(f"--alpha must be a finite margin >= 0, got {args.alpha}")
     if args.window is not None and args.window < 1:
         raise ConfigError(f"--window must be >= 1, got {args.window}")
 

@@ -278,16 +278,30 @@ def plot_agreement(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _profile_path(pattern: str | None, model: str, method: str, rho: float) -> Path:
+    """The profile of one rho: ``pattern`` with {rho} substituted, else the shipped per-layer calibration (found
+    wherever the package is installed, not relative to the working directory)."""
+    from tangram.profiles import registry
+    if pattern is not None:
+        return Path(pattern.replace("{rho}", f"{rho:g}"))
+    path = registry.default_profile_path(model, method, "per-layer", rho)
+    if path is None:
+        raise ConfigError(f"no shipped {method} per-layer profile of {model} at rho {rho:g} in {registry.DATA_DIR}; "
+                          "calibrate one (tangram-profile) and pass it with --profile")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m tangram.profiles.fidelity", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="auto")
     p.add_argument("--method", default="ada-snapkv")
-    p.add_argument("--profile", default="tangram/profiles/data/smollm2-135m_ada-snapkv_per-layer_rho{rho}.npz",
-                   help="calibrated profile per rho ({rho} substituted)")
+    p.add_argument("--profile", default=None,
+                   help="calibrated profile per rho ({rho} substituted; default: the shipped per-layer profile of "
+                        "--model and --method at each rho, tangram.profiles.registry)")
     p.add_argument("--rhos", default="0.25,0.5,0.75")
-    p.add_argument("--list-profiles", default="tangram/profiles/data/smollm2-135m_*.npz",
-                   help="glob of shipped profiles summarised in the report")
+    p.add_argument("--list-profiles", default=None,
+                   help="glob of profiles summarised in the report (default: the shipped profiles of --model)")
     p.add_argument("--samples-per-task", type=int, default=2)
     p.add_argument("--box-samples-per-task", type=int, default=8, help="held-out samples per task for the box plots")
     p.add_argument("--context-tokens", type=int, default=1024)
@@ -316,12 +330,28 @@ def main(argv: list[str] | None = None) -> int:
         box_layers = [int(x) for x in args.box_layers.split(",")]
     except ValueError:
         raise ConfigError("--rhos and --box-layers must be comma-separated numbers") from None
+    if not rhos or not all(0 < r <= 1 for r in rhos):  # NaN fails the comparison too
+        raise ConfigError(f"--rhos must be ratios in (0, 1], got {args.rhos!r}")
+    from tangram.budgets import METHODS
+    if args.method not in METHODS:
+        raise ConfigError(f"--method: unknown scoring method {args.method!r}; choose from {', '.join(METHODS)}")
+    for flag, v, lo in (("--samples-per-task", args.samples_per_task, 1),
+                        ("--box-samples-per-task", args.box_samples_per_task, 1),
+                        ("--context-tokens", args.context_tokens, 16), ("--chunk-size", args.chunk_size, 2),
+                        ("--max-new", args.max_new, 1), ("--window", 1 if args.window is None else args.window, 1),
+                        ("--threads", 1 if args.threads is None else args.threads, 1)):
+        if v < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    from tangram.config import get_model
+    from tangram.profiles import registry
+    cfg = get_model(args.model)
+    paths = {r: _profile_path(args.profile, cfg.name, args.method, r) for r in rhos}
     if args.threads:
         torch.set_num_threads(args.threads)
     model, info = load_model(args.model, args.weights)
     tok = load_tokenizer(info.get("gguf_path"))
     L, H = model.cfg.num_layers, model.cfg.num_kv_heads
-    profiles = {r: BudgetProfile.load(args.profile.replace("{rho}", f"{r:g}")) for r in rhos}
+    profiles = {r: BudgetProfile.load(paths[r]) for r in rhos}
     for r, pr in profiles.items():
         pr.check_model(L, H, model.cfg.name)
     hp_group = H  # H_p = H: one group per layer (SmolLM2 has 3 KV heads, so H_p=3)
@@ -371,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "model": model.cfg.name, "weights": info["source"], "method": args.method, "profiles": {
-                f"{r:g}": args.profile.replace("{rho}", f"{r:g}") for r in rhos},
+                f"{r:g}": str(paths[r]) for r in rhos},
             "samples": len(samples), "turns": sum(len(s.turns) for s in samples), "prompt_tokens": n_tokens,
             "chunk_size": args.chunk_size, "max_new": args.max_new, "box_samples_per_task": args.box_samples_per_task,
             "seconds_modes": round(t_modes, 1), "seconds_total": round(time.time() - t_start, 1),
@@ -382,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  indent=1))
     import glob
     shipped = []
-    for f in sorted(glob.glob(args.list_profiles)):
+    listed = args.list_profiles or str(registry.DATA_DIR / f"{cfg.name}_*.npz")
+    for f in sorted(glob.glob(listed)):
         pr = BudgetProfile.load(f)
         shipped.append((Path(f).name, pr.method, pr.rho, pr.provenance.get("samples"), pr.n_samples,
                         float(pr.mu.mean()), float(pr.sigma.mean()), float(pr.B.mean()), float(pr.B.min()),
