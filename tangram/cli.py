@@ -97,6 +97,13 @@ def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
 # --------------------------------------------------------------------------- generated options
 
 
+def check_at_least(*limits: tuple[str, float, float]) -> None:
+    """(flag, value, lowest allowed) for each count option: one error naming the first that is below."""
+    for flag, value, lo in limits:
+        if value < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+
+
 def _typed(s, scale: float | None = None):
     """argparse ``type=``: the option's text checked like a config file's value (tangram.options.check)."""
     from tangram.options import check

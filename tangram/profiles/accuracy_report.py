@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import ConfigError
-from tangram.cli import Parser, cli_main, output_dir
+from tangram.cli import Parser, check_at_least, cli_main, output_dir
 from tangram.profiles import stats
 from tangram.profiles.accuracy import AccuracyTable
 from tangram.profiles.evaluate import NUMERICS, NUMERICS_DEFAULT, SCOPES, Mode, job_numerics
@@ -201,11 +201,9 @@ def _resolve_lists(args) -> dict:
                           "(--curve and --curve-samples > 0)")
     if not 0 < args.length_floor < 1:
         raise ConfigError(f"--length-floor must be in (0, 1), got {args.length_floor}")
-    for flag, v, lo in (("--samples", args.samples, 0), ("--kl-samples", args.kl_samples, 0),
-                        ("--curve-samples", args.curve_samples, 0), ("--batch", args.batch, 1),
-                        ("--workers", args.workers, 1)):
-        if v < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    check_at_least(("--samples", args.samples, 0), ("--kl-samples", args.kl_samples, 0),
+                   ("--curve-samples", args.curve_samples, 0), ("--batch", args.batch, 1),
+                   ("--workers", args.workers, 1))
     if not 2 <= args.turns <= 4:
         raise ConfigError(f"--turns must be 2..4, got {args.turns}")
     return {"tasks": tasks, "scorers": scorers, "scopes": scopes, "rhos": rhos, "alphas": alphas, "curve": curve}

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from tangram.errors import ConfigError, InputError
-from tangram.cli import Parser, cli_main
+from tangram.cli import Parser, check_at_least, cli_main
 
 
 def _methods(text: str) -> list[str]:
@@ -114,10 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("several --scope values need an output pattern containing {scope}")
     if len(methods) > 1 and "{method}" not in args.output:
         raise ConfigError("several --method values need an output pattern containing {method}")
-    for flag, v, lo in (("--samples", args.samples, 1), ("--context-tokens", args.context_tokens, 16),
-                        ("--chunk-size", args.chunk_size, 2), ("--threads", 1 if args.threads is None else args.threads, 1)):
-        if v < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    check_at_least(("--samples", args.samples, 1), ("--context-tokens", args.context_tokens, 16),
+                   ("--chunk-size", args.chunk_size, 2), ("--threads", 1 if args.threads is None else args.threads, 1))
     if not args.alpha >= 0 or args.alpha == float("inf"):  # NaN fails both comparisons
         raise ConfigError(f"--alpha must be a finite margin >= 0, got {args.alpha}")
     if args.window is not None and args.window < 1:

@@ -39,7 +39,7 @@ from tangram.profiles.scoring import (ChunkScorer, budget_tokens, global_topk_ma
                                          per_head_topk_mask)
 from tangram.engine.model import AttnEvent, Session, TorchAttention
 from tangram.errors import ConfigError
-from tangram.cli import Parser, cli_main, output_dir
+from tangram.cli import Parser, check_at_least, cli_main, output_dir
 
 OVERFLOW_MIN_CHUNK = 64
 
@@ -335,13 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     from tangram.budgets import METHODS
     if args.method not in METHODS:
         raise ConfigError(f"--method: unknown scoring method {args.method!r}; choose from {', '.join(METHODS)}")
-    for flag, v, lo in (("--samples-per-task", args.samples_per_task, 1),
-                        ("--box-samples-per-task", args.box_samples_per_task, 1),
-                        ("--context-tokens", args.context_tokens, 16), ("--chunk-size", args.chunk_size, 2),
-                        ("--max-new", args.max_new, 1), ("--window", 1 if args.window is None else args.window, 1),
-                        ("--threads", 1 if args.threads is None else args.threads, 1)):
-        if v < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+    check_at_least(("--samples-per-task", args.samples_per_task, 1),
+                   ("--box-samples-per-task", args.box_samples_per_task, 1),
+                   ("--context-tokens", args.context_tokens, 16), ("--chunk-size", args.chunk_size, 2),
+                   ("--max-new", args.max_new, 1), ("--window", 1 if args.window is None else args.window, 1),
+                   ("--threads", 1 if args.threads is None else args.threads, 1))
     from tangram.config import get_model
     from tangram.profiles import registry
     cfg = get_model(args.model)
