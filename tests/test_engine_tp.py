@@ -9,6 +9,7 @@ full model with the same seeded weights (float32; the CPU engine runs the float6
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -93,8 +94,23 @@ def tp2():
             job["shard_perm"] = KVLayout.build(cfg, spec.engine.with_(placement="contiguous"),
                                                prof.with_alpha(1.0).B).perm
         jobs.append(job)
-    out = launch(2, serve_jobs, cfg, SEED, jobs, backend="gloo")
+    out = _launch_surviving_a_gloo_crash(serve_jobs, cfg, SEED, jobs)
     return {c[0]: o for c, o in zip(cases(), out)}
+
+
+def _launch_surviving_a_gloo_crash(*args):
+    """``launch`` on 2 gloo ranks, run again once if a rank was killed by a signal: twice a fresh-clone CI run
+    lost a rank to a C++ abort inside gloo ("terminate called without an active exception", then SIGSEGV;
+    c586b68, and 2026-11-29), never reproduced on a rerun. The jobs are deterministic, so a crash of ours
+    crashes the second run too and still fails the tests."""
+    from torch.multiprocessing import ProcessExitedException
+    try:
+        return launch(2, *args, backend="gloo")
+    except ProcessExitedException as e:
+        if not e.signal_name:
+            raise
+        warnings.warn(f"a gloo rank died of {e.signal_name}; launched again")
+        return launch(2, *args, backend="gloo")
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,8 @@ def test_postgres_two_workers_kill_one(tmp_path, tiny_trace):
             "PostgreSQL unavailable: set TANGRAM_PG_URL or let .ci/postgres.sh start a server")
     # A starts first and the study has room for both: if B started first it could run every trial before A has
     # one running (seen once on a loaded machine: "worker ended before it could be killed")
-    study, trials = f"pg-{uuid.uuid4().hex[:10]}", 16
+    # 40 trials: with 16 the two fast workers once finished the study before a poll saw A running a trial
+    study, trials = f"pg-{uuid.uuid4().hex[:10]}", 40
     b = None
     for _ in range(3):
         a = _worker(tiny_trace, url, study, tmp_path / "out", trials, idx=0)
