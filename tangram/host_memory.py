@@ -1,6 +1,6 @@
 """Host allocator settings for the CPU evaluation's large, short-lived tensors.
 
-The fidelity and accuracy runs build a batch of cache rows per layer (tens of MB each: the shared prefix copied
+The accuracy evaluation (``tangram.profiles.evaluate``'s workers) builds a batch of cache rows per layer (tens of MB each: the shared prefix copied
 into every row) and drop it a moment later. glibc serves blocks above its mmap threshold with fresh mappings and
 returns them on free, so every such tensor pays one page fault per 4 KB on its first write: on the 2-core AMD VM a
 1,024-token task sample took ~2.7 M minor faults, about a quarter of its CPU time in the kernel. Keeping freed

@@ -36,7 +36,6 @@ class AotSplitTable:
         # wave's bytes per SM (kernels.decode.paired_schedule)
         self.order = order
         weights = np.take_along_axis(B, np.asarray(perm), axis=1) if order != "request" else None
-        self._paired: dict[tuple[int, int, int], LayerSchedule] = {}
         check_group_size(B.shape[1], heads_per_group)  # aot_split_map itself does not check
         self.heads_per_group, self.n_occ, self.waves, self.costs = heads_per_group, n_occ, waves, costs
         self.min_split_tokens = min_split_tokens
@@ -66,13 +65,12 @@ class AotSplitTable:
                     self._sched[(b, c, l)] = shared[key]
                 self._steps[(b, c)] = tuple(self._sched[(b, c, l)] for l in range(S.shape[0]))
                 if order == "paired":
-                    for l in range(S.shape[0]):
-                        key = (b, S[l].tobytes() + weights[l].tobytes())
+                    keys = [(b, S[l].tobytes() + weights[l].tobytes()) for l in range(S.shape[0])]
+                    for l, key in enumerate(keys):
                         if key not in shared_paired:
                             shared_paired[key] = paired_schedule(S[l], heads_per_group, b, weights[l], num_sms,
                                                                  n_occ, device)
-                        self._paired[(b, c, l)] = shared_paired[key]
-                    self._paired_steps[(b, c)] = tuple(self._paired[(b, c, l)] for l in range(S.shape[0]))
+                    self._paired_steps[(b, c)] = tuple(shared_paired[k] for k in keys)
 
     def _keys(self, batch: int, max_context: int | None) -> tuple[int, int]:
         b = min(pow2_bucket(batch), self.batch_buckets[-1])
@@ -84,8 +82,8 @@ class AotSplitTable:
         """Schedule of ``layer`` for a batch of ``batch`` requests whose longest context is ``max_context``
         tokens (before compression; None = the largest bucket)."""
         b, c = self._keys(batch, max_context)
-        if batch == b and self._paired:  # exactly the bucket's rows: the SM-balanced list
-            return self._paired[(b, c, layer)]
+        if batch == b and self._paired_steps:  # exactly the bucket's rows: the SM-balanced list
+            return self._paired_steps[(b, c)][layer]
         return self._sched[(b, c, layer)]
 
     def step(self, batch: int, max_context: int | None = None) -> tuple[LayerSchedule, ...]:
