@@ -708,3 +708,40 @@ def test_prefill_table_reads_each_query_on_its_own_inside_and_outside_the_hull()
         assert one["attention_ms"][0] == got["attention_ms"][i] and one["score_ms"][0] == got["score_ms"][i]
     rev = f(chunk[::-1].copy(), cached[::-1].copy())
     assert np.array_equal(rev["attention_ms"][::-1], got["attention_ms"])
+
+
+@pytest.mark.parametrize("n_points", [12, 2])  # a 2-D hull, and too few points for one (every query outside)
+def test_prefill_table_outside_the_hull_is_the_nearest_point_by_a_kd_tree(n_points):
+    """The nearest measured point is found by brute force over the table (a replay's outside-the-hull queries,
+    ~25% of a Mooncake trace's); the same point, hence the same values bit for bit, as scipy's k-d tree query
+    with the scaling written out per column, on fresh random tables and queries inside and outside the hull."""
+    from scipy.spatial import cKDTree
+
+    from tangram.sim.tables import PrefillInterp
+
+    rng = np.random.default_rng()
+    H = 8
+    chunk = np.repeat([512, 1024, 2048, 4096], 3)[:n_points]
+    cached = np.tile([0, 24231, 96911], 4)[:n_points]
+    rows = pd.DataFrame({"chunk": chunk, "cached_tokens": cached,
+                         **{k: rng.uniform(0.01, 5.0, n_points) for k in
+                            ("attention_ms", "score_ms", "select_ms", "select_dynamic_ms", "scatter_ms")}})
+    f = PrefillInterp(rows, H)
+    qc = rng.choice([1.0, 37.0, 511.0, 700.0, 2048.0, 3000.0, 9000.0], 400)
+    qx = rng.uniform(0, 4e5, 400) * rng.integers(0, 2, 400)
+    got = f._eval(qc, qx)
+    pts = np.stack([np.log(chunk.astype(float)), np.log1p(cached.astype(float))], axis=1)
+    q = np.stack([np.log(np.maximum(qc, 1)), np.log1p(qx)], axis=1)
+    lin = f._lin(q) if f._lin is not None else np.full((qc.size, len(f.cols)), np.nan)
+    outside = ~np.isfinite(lin).all(axis=1)
+    assert outside.any() and (n_points == 2 or not outside.all())
+    idx = cKDTree(pts).query(q)[1]
+    work = chunk * (cached + H * chunk / 2)
+    for i, k in enumerate(f.cols):
+        vals = np.maximum(rows[k].to_numpy(float), 1e-6) * 1e-3
+        if k == "attention_ms":
+            want = vals[idx] * (qc * (qx + H * qc / 2) / work[idx])
+        else:
+            want = vals[idx] * np.maximum(qc / np.exp(pts[idx, 0]), 1.0)
+        want = np.where(outside, want, np.exp(np.where(outside, 0.0, lin[:, i])))
+        assert np.array_equal(got[k], want), k
