@@ -763,7 +763,7 @@ class BlockTable:
         """Let go of every page of the row (shared ones stay with their other holders); returns pages freed.
         ``shared`` [T]: the columns below which pages may be shared or pinned (:class:`ParkedTables`); the pages
         beyond are the row's alone (default: every page may be shared)."""
-        n, anon = self._id_cols(row, shared)
+        n, anon = self._id_cols(row)
         w = int(n.max(initial=0))  # columns at or beyond a table's npages hold -1 already: leave them
         ids, own = self._split(row, n, w, shared)
         freed = self.pool.release(ids) + self.pool.release_private(own)
@@ -781,7 +781,7 @@ class BlockTable:
 
     def park(self, row: int, shared: np.ndarray | None = None) -> ParkedTables:
         """The row's pages, kept compact while its session is idle (``shared`` as in :meth:`release_row`)."""
-        n, _ = self._id_cols(row, shared)
+        n, _ = self._id_cols(row)
         n = n.copy()
         w = int(n.max(initial=0))  # columns at or beyond a table's npages hold -1 already: leave them
         ids, own = self._split(row, n, w, shared)
@@ -797,13 +797,13 @@ class BlockTable:
         self._free_rows.append(row)
         return parked
 
-    def _id_cols(self, row: int, shared: np.ndarray | None) -> tuple[np.ndarray, int]:
-        """The row's columns with ids per table [T] (the pages below ``shared`` given theirs first: the part a
-        release walks the counts of) and its pages without one."""
+    def _id_cols(self, row: int) -> tuple[np.ndarray, int]:
+        """The row's columns with ids per table [T] and its pages without one. A page without an id is the row's
+        alone, wherever it sits: a prefix unit, a pin or another row's reference all name a page first
+        (``materialise``), so a release or park takes the unnamed ones back by count, below a ``shared`` bound too
+        (naming them there first, only to free them, was ~3.9M ids of a Mooncake replay)."""
         if self.private_ids:
             return self.npages[row], 0
-        if shared is not None:
-            self.materialise(row, np.minimum(shared, self.npages[row]))
         n = self.nids[row]
         return n, int((self.npages[row] - n).sum())
 

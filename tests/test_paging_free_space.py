@@ -171,6 +171,38 @@ def test_a_row_parked_in_two_parts_frees_its_private_pages_and_refuses_shared_on
     assert pool.n_free == 64 - 2
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), park=st.booleans())
+def test_unnamed_pages_go_back_by_count_without_an_id(seed, park):
+    """``private_ids=False``: a row's pages without an id (reserved by count; copy-on-write destinations are such)
+    are its alone wherever they sit, below the ``shared`` bound of a park or release too: they go back by count,
+    no id is taken for them (``alloc_reserved`` is never called), the named ones shared with another row stay
+    with it, and once both rows let go every page is free again (the pool checks its invariants throughout)."""
+    from tangram.paging import BlockTable, KVLayout
+
+    rng = np.random.default_rng(seed)
+    lay = KVLayout(2, 3, 4, 2, 4, 1, True, np.tile(np.arange(3), (2, 1)))  # 6 tables of 1 head, pages of 4 tokens
+    pool = PagePool(2048, lay.page_bytes, check=True)
+    bt = BlockTable(lay, pool, rows=2, cap=16, private_ids=False)
+    r = bt.acquire_row()
+    bt.ensure(np.array([r]), rng.integers(0, 4 * 60, size=(1, lay.n_tables)))
+    named = rng.integers(0, bt.npages[r] + 1)  # the leading pages a prefix unit named (the rest only counted)
+    ids = bt.row_ids(r, 0, named)
+    pool.incref(ids)  # another row holds the named ones (a prefix hit)
+    shared = np.minimum(bt.npages[r], named + rng.integers(0, 40, size=named.size))  # past the named columns
+    taken, real = [], pool.alloc_reserved
+
+    def spy(n):
+        taken.append(n)
+        return real(n)
+
+    pool.alloc_reserved = spy
+    held = int(bt.npages[r].sum())
+    freed = bt.free_parked(bt.park(r, shared)) if park else bt.release_row(r, shared)
+    assert taken == [] and freed == held - ids.size  # the shared ones stay with the other row
+    assert pool.release(ids) == ids.size and pool.n_free == pool.num_pages
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), private=st.booleans())
 def test_a_grown_table_keeps_every_rows_ids(seed, private):
