@@ -1,6 +1,8 @@
 import math
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tangram.budgets import head_groups, synthetic_profile
 from tangram.errors import ConfigError
@@ -51,6 +53,43 @@ def test_runtime_plan_fits_ncta_and_counts_host_work():
     for l in range(3):
         assert plan.splits[l].sum() <= 264 or plan.chunk_tokens[l] == lens[:, l].max()
         assert np.all(plan.splits[l] * plan.chunk_tokens[l] >= lens[:, l])
+
+
+def _runtime_plan_per_layer(lengths, n_cta, min_chunk=16):
+    """The planner as FlashInfer runs it, one layer's binary search after another (the reference)."""
+    R, L, H = lengths.shape
+    splits, chunks, items, iters = [], [], 0, 0
+    for l in range(L):
+        x = lengths[:, l, :]
+        lo, hi = min_chunk, max(min_chunk, int(x.max()) if x.size else min_chunk)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            n = sum(max(1, -(-int(v) // mid)) for v in x.ravel())
+            items, iters = items + x.size, iters + 1
+            lo, hi = (lo, mid) if n <= n_cta else (mid + 1, hi)
+        chunks.append(lo)
+        splits.append(np.array([[max(1, -(-int(v) // lo)) for v in row] for row in x], dtype=np.int32).reshape(R, H))
+        items += x.size
+    return splits, chunks, items, iters
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_runtime_plan_searches_every_layer_as_on_its_own(data):
+    """All layers' binary searches run at once; each layer's chunk size, splits, scanned items and iterations are
+    those of its own search (a scalar reference), for empty batches, zero lengths and CTA counts below the work."""
+    R, L, H = data.draw(st.integers(0, 5)), data.draw(st.integers(1, 6)), data.draw(st.integers(1, 8))
+    top = data.draw(st.sampled_from([1, 20, 700, 40000]))
+    lens = np.array(data.draw(st.lists(st.integers(0, top), min_size=R * L * H, max_size=R * L * H)),
+                    dtype=np.int64).reshape(R, L, H)
+    n_cta = data.draw(st.integers(1, 600))
+    min_chunk = data.draw(st.sampled_from([1, 16, 64]))
+    plan = runtime_plan(lens, n_cta, min_chunk=min_chunk)
+    splits, chunks, items, iters = _runtime_plan_per_layer(lens, n_cta, min_chunk)
+    assert plan.chunk_tokens.tolist() == chunks and plan.host_items == items and plan.search_iters == iters
+    assert len(plan.splits) == L
+    for got, want in zip(plan.splits, splits):
+        assert got.dtype == np.int32 and got.flags.c_contiguous and np.array_equal(got, want)
 
 
 def test_algorithm1_rejects_hp_not_dividing_h():
