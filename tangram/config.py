@@ -318,9 +318,13 @@ def kv_pool_bytes(model: ModelConfig, gpu: GPUConfig, engine: EngineConfig) -> i
     free = gpu.memory_bytes * engine.gpu_memory_utilization - w - engine.activation_reserve_bytes
     if free <= 0:
         tp = f" / tp {engine.tp}" if engine.tp > 1 else ""
+        # the fewest GPUs whose shards leave KV memory, among the degrees that split the model's KV heads
+        fits = [d for d in divisors(model.num_kv_heads) if d > engine.tp and gpu.memory_bytes
+                * engine.gpu_memory_utilization - model.weight_bytes() / d - engine.activation_reserve_bytes > 0]
+        hint = f"; --tp {fits[0]} leaves some" if fits else ""
         raise ConfigError(
             f"model {model.name} ({model.weight_bytes() / GIB:.1f} GiB of weights{tp}) leaves no KV memory on "
-            f"{gpu.name}")
+            f"{gpu.name}{hint}")
     return int(free)
 
 

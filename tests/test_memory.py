@@ -32,6 +32,26 @@ def test_memory_cli_bad_input(capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("gpu,tp,hint", [("h100-80gb", 1, "--tp 4 leaves some"), ("a100-80gb", 2, "--tp 4 leaves some"),
+                                         ("h200", 1, "--tp 2 leaves some")])
+def test_a_model_too_large_for_the_gpu_names_the_degree_that_fits(gpu, tp, hint):
+    """Llama-3.1-70B's 131 GiB of weights leave no KV memory on one 80 GB GPU: the error says so and names the
+    fewest GPUs (a degree dividing its 8 KV heads) whose shards leave some, which then gives a pool."""
+    import dataclasses
+
+    from tangram.config import EngineConfig, get_gpu, get_model, kv_pool_bytes
+    from tangram.errors import ConfigError
+
+    m, g = get_model("llama-3.1-70b"), get_gpu(gpu)
+    with pytest.raises(ConfigError, match="leaves no KV memory") as e:
+        kv_pool_bytes(m, g, EngineConfig(tp=tp, heads_per_group=1))
+    assert str(e.value).endswith(hint)
+    fit = int(hint.split()[1])
+    assert kv_pool_bytes(m, g, dataclasses.replace(EngineConfig(heads_per_group=1), tp=fit)) > 0
+    with pytest.raises(ConfigError, match="leaves no KV memory"):  # the fewest: half as many leave none
+        kv_pool_bytes(m, g, dataclasses.replace(EngineConfig(heads_per_group=1), tp=fit // 2))
+
+
 @pytest.mark.parametrize("tokens", ["1000000000000", "131072"])
 def test_memory_cli_beyond_the_context_window_is_an_error(capsys, tokens):
     """A prompt the model cannot hold (with its output token) is an error, not a table of zeros (131,072 is the
