@@ -126,10 +126,12 @@ class PrefixCache:
         # Which tailed unit may drop its copy sources (``evict_one``) is kept up to date from the pool's log of pages
         # that became the cache's alone (``ref == 0``, one pin): a page pinned once is listed by one unit at most,
         # found by ``owner``. ``listed[p]``: tailed units listing page p (consecutive units of one row may list the
-        # same partial page); ``owner[p]``: the serial of the last unit that listed it, -2 when that one let go
-        # while another still lists it (then one scan of every unit's copy sources finds the candidates)
+        # same partial page); ``owner[p]``: 1 + the serial of the last unit that listed it, 0 when none does, -1 when
+        # that one let go while another still lists it (then one scan of every unit's copy sources finds the
+        # candidates). Zero means "none" so both arrays are left to the OS's zeroed pages until a page is listed: a
+        # pool of many pages (65.8M at TP 8 with H_p 1) took 1.5 s to fill with -1 at every replica's start
         self.listed = np.zeros(pool.num_pages, dtype=np.int16)
-        self.owner = np.full(pool.num_pages, -1, dtype=np.int64)
+        self.owner = np.zeros(pool.num_pages, dtype=np.int64)
         pool.watch = self.listed
         self._serial = 0
         self._by_serial: dict[int, Unit] = {}  # tailed units by serial
@@ -236,7 +238,7 @@ class PrefixCache:
             self.tailed[key] = u
             self._by_serial[u.serial] = u
             self.listed[tail] += 1
-            self.owner[tail] = u.serial
+            self.owner[tail] = u.serial + 1
         self.registered += 1
         return u
 
@@ -262,11 +264,11 @@ class PrefixCache:
         t = u.tail_ids
         left = self.listed[t] - 1
         self.listed[t] = left
-        mine = self.owner[t] == u.serial
-        self.owner[t[mine & (left == 0)]] = -1
+        mine = self.owner[t] == u.serial + 1
+        self.owner[t[mine & (left == 0)]] = 0
         other = mine & (left > 0)
         if other.any():  # another unit still lists them: which one is not kept
-            self.owner[t[other]] = -2
+            self.owner[t[other]] = -1
 
     def _drop_tail(self, u: Unit) -> int:
         """Forget a unit's copy sources: hits may still pass through it, not end at it."""
@@ -297,7 +299,7 @@ class PrefixCache:
         d = pool.take_lone()  # copy sources that became the cache's alone since the last call
         if d.size:
             d = d[(pool.ref[d] == 0) & (pool.pins[d] == 1) & (self.listed[d] > 0)]
-            o = self.owner[d]
+            o = self.owner[d] - 1  # the serial; -1: none, -2: ambiguous
             if (o == -2).any():
                 self._rescan = True
             self._cand.update(o[o >= 0].tolist())
