@@ -125,6 +125,10 @@ class TPCostModel(CostModel):
                 self._rank_gemm[op], src = (None, 1.0), f"roofline at the rank's shape ({n}x{k})"
             self.sources[f"gemm_{op}"] = src
         self._rank_splits: dict[tuple[int, int, int], np.ndarray] = {}
+        # a rank's decode launch (CTA counts, wave structure, fixed seconds) for the last launch shapes: a running
+        # batch is priced again and again with the same CTA counts (only sizes change), and building the launch was
+        # ~40% of a TP replay's decode pricing
+        self._rank_launches: dict[tuple, tuple] = {}
         self.rank_layouts = [layout.rank_layout(r) for r in range(tp)]
         # all-reduce: measurements for this tp from the GPU family's own folder (a multi-GPU host's, even when
         # its kernel tables are transferred from another family), else from the tables folder, else the ring model
@@ -236,29 +240,55 @@ class TPCostModel(CostModel):
             lr = lens[:, :, self.layout.rank_slots(r)]
             Hr = lr.shape[2]
             if self.partition == "aot":
-                hp = self.rank_layouts[r].heads_per_group
-                per_head = np.repeat(self.rank_split_map(r, kd, context), hp, axis=1)
-                reps = np.broadcast_to(per_head[:, None, :], (L, kd, Hr))
-                size = lr.transpose(1, 0, 2) / reps
+                b = pow2_bucket(kd) if self.params.aot_batch_buckets else 1
+                c = decode_context_bucket(context) if context is not None else decode_context_bucket(1 << 30)
+                key = ("aot", r, kd, b, c)
+
+                def make(r=r, Hr=Hr):
+                    hp = self.rank_layouts[r].heads_per_group
+                    per_head = np.repeat(self.rank_split_map(r, kd, context), hp, axis=1)
+                    return np.broadcast_to(per_head[:, None, :], (L, kd, Hr))
             elif self.partition == "static":
                 d = self.model.head_dim
                 block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
                 n_blocks = -(-int(lr.max(initial=1)) // block_n)
                 s = flashdecoding_num_splits(kd * Hr, self.gpu.num_sms, max(1, n_blocks))
-                size = lr.transpose(1, 0, 2) / s
-                reps = np.full(size.shape, s, dtype=np.int64)
+                key = ("static", r, kd, Hr, s)
+
+                def make(s=s, Hr=Hr):
+                    return np.full((L, kd, Hr), s, dtype=np.int64)
             else:
                 rp = runtime_plan(lr, self.n_cta)
-                reps = np.stack(rp.splits).astype(np.int64)
-                size = lr.transpose(1, 0, 2) / reps
+                key = None  # a runtime plan changes with the lengths: its launch is built for this pricing alone
+                reps0 = np.stack(rp.splits).astype(np.int64)
+
+                def make(reps0=reps0):
+                    return reps0
                 plan_s = max(plan_s, rp.host_items * self.host.runtime_plan_item_s)  # ranks plan concurrently
-            launch = wave_launch(np.asarray(reps).reshape(L, -1), self.n_occ)
+            reps, launch, fx = self._rank_launch(key, make, L)
+            size = lr.transpose(1, 0, 2) / reps
             per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch)
-            if self.price_costs is not None:
-                fixed[r] = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim)
+            if fx is not None:
+                fixed[r] = fx
         # the rescale cache's fixed part: the slowest rank's per layer (the fallback's: its call intercepts)
         self._dec_fixed = float(fixed.max(axis=0).sum()) if self.price_costs is not None else L * self.dec_launch
         return float(per_layer.max(axis=0).sum()), plan_s
+
+    def _rank_launch(self, key, make, L: int) -> tuple:
+        """(CTA counts [L, kd, H/tp], their :func:`wave_launch`, its :func:`launch_fixed_times` or None), kept for
+        the last ``64 x tp`` keys (``key`` None: not kept); ``make()`` gives the counts when they are not kept."""
+        hit = self._rank_launches.get(key) if key is not None else None
+        if hit is None:
+            reps = make()
+            launch = wave_launch(np.asarray(reps).reshape(L, -1), self.n_occ)
+            fx = launch_fixed_times(launch, self.price_costs, gq=self.gq, head_dim=self.model.head_dim) \
+                if self.price_costs is not None else None
+            hit = (reps, launch, fx)
+            if key is not None:
+                if len(self._rank_launches) >= 64 * self.tp:  # the last ~64 batch shapes of every rank
+                    self._rank_launches.pop(next(iter(self._rank_launches)))
+                self._rank_launches[key] = hit
+        return hit
 
     def _prefill_rows(self, tokens, head_lens, keep, retention: str) -> dict:
         ranks = []
