@@ -33,6 +33,10 @@ nice -n 5 python benchmarks/sim_speed.py --what capacity --trace "$WORK/mooncake
 cp "$WORK/capacity/metrics.json" "$OUT/capacity_metrics.json"
 cp "$WORK/capacity/report.md" "$OUT/capacity_report.md"
 
+# 62 tangram-sim configurations on the trace's first 90 s, each in its own process (models x GPUs, TP, routers, ...)
+python benchmarks/sim_config_matrix.py "$WORK/mooncake_12000.jsonl" --out "$WORK/matrix" | tail -1 \
+    > "$OUT/sim_config_matrix.json"
+
 # why tangram ranked below br and dynamic (README): the cliff's two sides priced as before commit 3ab558c (the row
 # term linear: the shipped tables without eager_rows_max; and with row_s = 0), then the compressed modes' capacity
 # with the fix
