@@ -41,9 +41,9 @@ from tangram.paging import KVLayout
 from tangram.placement import check_tp, page_shares
 from tangram.plan import RunResult, StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits, pow2_bucket, \
-    launch_fixed_times, runtime_plan, wave_launch
+    launch_fixed_times, runtime_plan, tail_layer_times, tail_wave_time, wave_launch
 
-from .costmodel import GEMM_OPS, CostModel
+from .costmodel import GEMM_OPS, CostModel, _groups
 
 ALLREDUCE_FILE = "allreduce.csv"
 ALLREDUCE_COLS = ("tp", "bytes", "median_us")
@@ -223,12 +223,65 @@ class TPCostModel(CostModel):
 
     def _decode_prices(self, lens0: np.ndarray, offs: np.ndarray, contexts: np.ndarray | None
                        ) -> tuple[np.ndarray, np.ndarray]:
-        """The base class's batched pricing, one point at a time through this class's per-rank pricing."""
-        out, fixed = np.empty(offs.size), np.empty(offs.size)
-        for i, o in enumerate(offs.tolist()):
-            out[i] = self._decode_attention(lens0 + o, None if contexts is None else int(contexts[i]))[0]
-            fixed[i] = self._dec_fixed
-        return out, fixed
+        """The base class's batched pricing: per rank and launch shape, every point at once, each exactly as
+        :meth:`_decode_attention` prices it alone (the same operations on the same values, row by row: tests); the
+        runtime partition, whose plan changes with every point, one point at a time."""
+        if self.partition not in ("aot", "static"):
+            out, fixed = np.empty(offs.size), np.empty(offs.size)
+            for i, o in enumerate(offs.tolist()):
+                out[i] = self._decode_attention(lens0 + o, None if contexts is None else int(contexts[i]))[0]
+                fixed[i] = self._dec_fixed
+            return out, fixed
+        kd, L, H = lens0.shape
+        m = offs.size
+        per_layer = np.zeros((self.tp, m, L))
+        fixed = np.zeros((self.tp, m, L))
+        ctx = [None] * m if contexts is None else [int(c) for c in contexts.tolist()]
+        for r in range(self.tp):
+            lr0 = lens0[:, :, self.layout.rank_slots(r)]
+            Hr = lr0.shape[2]
+            if self.partition == "aot":
+                b = pow2_bucket(kd) if self.params.aot_batch_buckets else 1
+                keys = [("aot", r, kd, b, decode_context_bucket(c) if c is not None else decode_context_bucket(1 << 30))
+                        for c in ctx]
+            else:
+                d = self.model.head_dim
+                block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
+                top = int(lr0.max()) if lr0.size else None  # the longest head grown by o: lr.max(initial=1)
+                keys = [("static", r, kd, Hr, flashdecoding_num_splits(
+                    kd * Hr, self.gpu.num_sms, max(1, -(-(max(top + o, 1) if top is not None else 1) // block_n))))
+                    for o in offs.tolist()]
+            for key, idx in _groups(keys).items():
+                ii = np.arange(m) if isinstance(idx, int) else np.asarray(idx)
+                c0 = ctx[int(ii[0])]
+
+                def make(key=key, c0=c0, Hr=Hr, r=r):
+                    if key[0] == "aot":
+                        hp = self.rank_layouts[r].heads_per_group
+                        per_head = np.repeat(self.rank_split_map(r, kd, c0), hp, axis=1)
+                        return np.broadcast_to(per_head[:, None, :], (L, kd, Hr))
+                    return np.full((L, kd, Hr), key[4], dtype=np.int64)
+                reps, launch, fx = self._rank_launch(key, make, L)
+                lr = lr0[None] + offs[ii][:, None, None, None]  # [points, kd, L, Hr]
+                size = lr.transpose(0, 2, 1, 3) / reps
+                per_layer[r, ii] = self._rank_layer_times(size.reshape(ii.size, L, -1) * self.tok_head_bytes,
+                                                          launch, fx)
+                if fx is not None:
+                    fixed[r, ii] = fx
+        tot = fixed.max(axis=0).sum(axis=1) if self.price_costs is not None else np.full(m, L * self.dec_launch)
+        return per_layer.max(axis=0).sum(axis=1), tot
+
+    def _rank_layer_times(self, size: np.ndarray, launch, fixed: np.ndarray | None) -> np.ndarray:
+        """:meth:`_layer_times` of several size sets ``size`` [m, L, n] of one launch at once ([m, L]; each row as
+        alone: the same sums along the same axis, and the tail's leading axis)."""
+        m, L = size.shape[:2]
+        total = (size * launch.reps).sum(axis=2) if not launch.empty else np.zeros((m, L))
+        tail = size.reshape(m, -1)[:, launch.tsrc]
+        c = self.price_costs
+        if c is not None:
+            return tail_layer_times(total, tail, launch, c, gq=self.gq, head_dim=self.model.head_dim, fixed=fixed)
+        t = tail_wave_time(total, tail, launch, self.dec_bw, self.cta_bw)
+        return t + launch.ctas * (self.gq * (self.model.head_dim + 2) * 4) / self.dec_bw + self.dec_launch
 
     def _decode_attention(self, lens: np.ndarray, context: int | None = None) -> tuple[float, float]:
         """Per rank and layer: the wave model on the rank's heads; each layer waits for its slowest rank."""
@@ -267,7 +320,7 @@ class TPCostModel(CostModel):
                 plan_s = max(plan_s, rp.host_items * self.host.runtime_plan_item_s)  # ranks plan concurrently
             reps, launch, fx = self._rank_launch(key, make, L)
             size = lr.transpose(1, 0, 2) / reps
-            per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch)
+            per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch, fx)
             if fx is not None:
                 fixed[r] = fx
         # the rescale cache's fixed part: the slowest rank's per layer (the fallback's: its call intercepts)

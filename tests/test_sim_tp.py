@@ -122,6 +122,30 @@ def test_balanced_placement_prices_decode_no_slower():
     assert times["balanced"] <= times["contiguous"]
 
 
+@pytest.mark.parametrize("mode,part,tp", [("tangram", None, 2), ("tangram", None, 4), ("br+rp", "static", 2),
+                                          ("full", None, 8), ("dynamic", "runtime", 2)])
+@pytest.mark.parametrize("fitted", [True, False])
+def test_tp_prices_of_a_runs_steps_at_once_equal_each_step_alone(mode, part, tp, fitted):
+    """A TP replica prices a run's decode steps per rank and launch shape, all points at once (contexts crossing a
+    bucket, the static split's block count changing on the way): each point equals pricing that step alone, bit for
+    bit, with the fitted decode costs and with the fallback, and leaves the same fixed part for the rescale cache."""
+    e = EngineConfig(mode=mode, decode_partition=part, tp=tp, heads_per_group=1)
+    prof = default_profile(LLAMA, e.rho, e.alpha)
+    lay = KVLayout.build(LLAMA, e, prof.B)
+    cm = TPCostModel(LLAMA, H100, e, lay, prof, params=CostParams() if fitted else CostParams(decode_model="capped"))
+    rng = np.random.default_rng()
+    kd = int(rng.integers(1, 5))
+    ratio = {"full": np.ones_like(prof.B)}.get(mode, prof.B)
+    lens0 = np.ceil(lay.to_slots(ratio)[None] * rng.integers(3800, 4000, size=(kd, 1, 1))).astype(np.int64)
+    offs = np.array([1, 2, 40, 90, 130, 200, 260, 300])  # the longest context crosses 4096 on the way
+    ctx = 4000 + offs
+    for contexts in (ctx, None):
+        t, fixed = cm._decode_prices(lens0, offs, contexts)
+        for i, o in enumerate(offs.tolist()):
+            alone = cm._decode_attention(lens0 + o, None if contexts is None else int(contexts[i]))[0]
+            assert t[i] == alone and fixed[i] == cm._dec_fixed, (i, t[i], alone)
+
+
 @pytest.mark.parametrize("mode", ["tangram", "br"])
 def test_tp_replay_fast_forward_identical_and_leak_free(mode):
     from test_fast_forward import assert_same_replay
