@@ -284,41 +284,24 @@ class TPCostModel(CostModel):
         return t + launch.ctas * (self.gq * (self.model.head_dim + 2) * 4) / self.dec_bw + self.dec_launch
 
     def _decode_attention(self, lens: np.ndarray, context: int | None = None) -> tuple[float, float]:
-        """Per rank and layer: the wave model on the rank's heads; each layer waits for its slowest rank."""
+        """Per rank and layer: the wave model on the rank's heads; each layer waits for its slowest rank (the AOT
+        and static partitions: :meth:`_decode_prices` of one point; the runtime partition plans each rank here)."""
+        if self.partition in ("aot", "static"):
+            t, fixed = self._decode_prices(lens, np.zeros(1, dtype=np.int64),
+                                           None if context is None else np.array([context]))
+            self._dec_fixed = float(fixed[0])
+            return float(t[0]), 0.0
         kd, L, H = lens.shape
         per_layer = np.zeros((self.tp, L))
         fixed = np.zeros((self.tp, L))
         plan_s = 0.0
         for r in range(self.tp):  # a handful of ranks; the work inside is numpy over [L, kd, H/tp]
             lr = lens[:, :, self.layout.rank_slots(r)]
-            Hr = lr.shape[2]
-            if self.partition == "aot":
-                b = pow2_bucket(kd) if self.params.aot_batch_buckets else 1
-                c = decode_context_bucket(context) if context is not None else decode_context_bucket(1 << 30)
-                key = ("aot", r, kd, b, c)
-
-                def make(r=r, Hr=Hr):
-                    hp = self.rank_layouts[r].heads_per_group
-                    per_head = np.repeat(self.rank_split_map(r, kd, context), hp, axis=1)
-                    return np.broadcast_to(per_head[:, None, :], (L, kd, Hr))
-            elif self.partition == "static":
-                d = self.model.head_dim
-                block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
-                n_blocks = -(-int(lr.max(initial=1)) // block_n)
-                s = flashdecoding_num_splits(kd * Hr, self.gpu.num_sms, max(1, n_blocks))
-                key = ("static", r, kd, Hr, s)
-
-                def make(s=s, Hr=Hr):
-                    return np.full((L, kd, Hr), s, dtype=np.int64)
-            else:
-                rp = runtime_plan(lr, self.n_cta)
-                key = None  # a runtime plan changes with the lengths: its launch is built for this pricing alone
-                reps0 = np.stack(rp.splits).astype(np.int64)
-
-                def make(reps0=reps0):
-                    return reps0
-                plan_s = max(plan_s, rp.host_items * self.host.runtime_plan_item_s)  # ranks plan concurrently
-            reps, launch, fx = self._rank_launch(key, make, L)
+            rp = runtime_plan(lr, self.n_cta)
+            reps = np.stack(rp.splits).astype(np.int64)
+            plan_s = max(plan_s, rp.host_items * self.host.runtime_plan_item_s)  # ranks plan concurrently
+            # a runtime plan changes with the lengths: its launch is built for this pricing alone (key None)
+            reps, launch, fx = self._rank_launch(None, lambda reps=reps: reps, L)
             size = lr.transpose(1, 0, 2) / reps
             per_layer[r] = self._layer_times(size.reshape(L, -1) * self.tok_head_bytes, launch, fx)
             if fx is not None:
