@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
@@ -14,6 +15,7 @@ from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
 
 DEFAULT_OUT = "tangram-sim-out"
+AUTO_JOBS_TURNS = 1000  # below this a worker's start-up (~0.6 s of imports) costs more than it saves
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
               "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation",
               "preemptions", "session_evictions"]
@@ -24,7 +26,10 @@ def _parser() -> argparse.ArgumentParser:
                     defaults={"out": DEFAULT_OUT})
     p.add_argument("--capacity", action="store_true", help="bisect the arrival-rate scale for the max load meeting "
                    f"--slo (default SLO '{DEFAULT_SLO}')")
-    p.add_argument("--jobs", type=int, default=1, help="modes simulated in parallel processes (default 1)")
+    p.add_argument("--jobs", default="auto", metavar="N|auto",
+                   help="worker processes for the modes (their runs and capacity searches); default auto: one per "
+                        f"mode up to the CPUs this process may use, when the trace has >= {AUTO_JOBS_TURNS} turns "
+                        "(a small trace runs in this process). The results are the same for any N")
     p.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="step every decode step one by one (the reference path; same results, slower)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -73,7 +78,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     runs, caps = {}, {}
-    with ProcessPoolExecutor(max_workers=min(jobs, 2 * len(modes))) as ex:
+    with ProcessPoolExecutor(max_workers=min(jobs, len(modes))) as ex:
         todo = {ex.submit(_mode_run, trace, spec, m, ff): ("run", m) for m in modes}
         while todo:
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
@@ -91,6 +96,35 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     return [runs[m] for m in modes], ([caps[m] for m in modes] if capacity is not None else None)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as a container or ``taskset`` sets it), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def parse_jobs(jobs) -> int | None:
+    """``--jobs``: a count >= 1, or None for ``auto``."""
+    if isinstance(jobs, str) and jobs.strip().lower() == "auto":
+        return None
+    try:
+        n = int(jobs)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--jobs: expected a count >= 1 or 'auto', got {jobs!r}") from None
+    if n < 1:
+        raise ConfigError(f"--jobs must be >= 1 or 'auto', got {jobs}")
+    return n
+
+
+def resolve_jobs(jobs: int | None, modes: int, turns: int) -> int:
+    """Worker processes for ``modes`` modes: ``jobs`` (:func:`parse_jobs`; None: one per mode up to
+    :func:`usable_cpus`, none for a trace under :data:`AUTO_JOBS_TURNS` turns), never more than the modes (a mode's
+    capacity search waits for its own run). 1: everything in this process."""
+    n = jobs if jobs is not None else (usable_cpus() if turns >= AUTO_JOBS_TURNS else 1)
+    return max(1, min(n, modes))
+
+
 def run(args) -> dict:
     from tqdm import tqdm
 
@@ -104,12 +138,12 @@ def run(args) -> dict:
 
     spec = from_cli(args)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
+    jobs = parse_jobs(args.jobs)
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO
     slo = spec.slo_targets(DEFAULT_SLO if args.capacity else None)
     accuracy, accuracy_label = AccuracyModel.for_run(spec.model.name, spec.profile, spec.accuracy_table)
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    jobs = resolve_jobs(jobs, len(modes), len(trace.turns))
     ff = args.fast_forward
     # what `tangram-trace check` would warn about, for the model this run serves (a raw public file comes here
     # without passing through check: an importer that failed to split sessions shows up now, not as odd results)
@@ -124,11 +158,12 @@ def run(args) -> dict:
     if args.capacity and slo_default:
         print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
     caps = None
-    if args.jobs > 1 and len(modes) > 1:
+    if jobs > 1:
+        print(f"tangram-sim: {len(modes)} modes in {jobs} worker processes (--jobs)", file=sys.stderr)
         n = len(modes) * (2 if args.capacity else 1)
         bar = tqdm(total=n, desc="tangram-sim", unit="task", disable=None, file=sys.stderr, leave=False)
         outs, caps = _runs_then_searches(trace, spec, modes, ff, (slo, target) if args.capacity else None,
-                                         args.jobs, bar)
+                                         jobs, bar)
     else:
         bar = tqdm(total=total, desc="tangram-sim", unit="req", disable=None if total >= 1000 else True,
                    file=sys.stderr, leave=False)

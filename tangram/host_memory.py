@@ -1,4 +1,4 @@
-"""Host allocator settings for the CPU evaluation's large, short-lived tensors.
+"""Host allocator settings: the CPU evaluation's large, short-lived tensors, and the simulator's large, sparse arrays.
 
 The accuracy evaluation (``tangram.profiles.evaluate``'s workers) builds a batch of cache rows per layer (tens of MB each: the shared prefix copied
 into every row) and drop it a moment later. glibc serves blocks above its mmap threshold with fresh mappings and
@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import sys
+
+import numpy as np
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -38,3 +41,32 @@ def retain_freed_memory(mmap_threshold: int = 1 << 30, top_pad: int = 256 << 20)
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1  # an int: the largest a call can pass
     ok &= mallopt(_M_TOP_PAD, int(top_pad)) == 1
     return bool(ok)
+
+
+# numpy advises the kernel to back every array of 4 MiB or more with 2 MiB transparent huge pages (where THP is in
+# "madvise" mode, as on this machine); below this size it does not, so neither do we
+_SPARSE_MIN_BYTES = 4 << 20
+
+
+def sparse_zeros(shape, dtype) -> np.ndarray:
+    """A zero-filled array whose memory is taken 4 KiB at a time, as it is first written, for large arrays written
+    sparsely (the simulator's block table, where a few hundred thousand named page ids are spread over a
+    ~300 MB rectangle of rows x tables x columns, and the prefix cache's per-page arrays).
+
+    ``np.zeros`` / ``np.empty`` of such an array ask for transparent huge pages (numpy's ``madvise(MADV_HUGEPAGE)``
+    on allocations of 4 MiB and more), so each first write into a 2 MiB region zeroes (and may first compact) all of
+    it: a Mooncake replay's last block-table grow took 477 ms, its peak RSS was 560 MB (347 MB with 4 KiB pages,
+    0.6-0.8 s less system time a replay; reports/traces/README.md). An anonymous private mapping advised
+    ``MADV_NOHUGEPAGE`` is zero-filled by the kernel and faulted in 4 KiB pages; it is unmapped when the array (its
+    buffer's last holder) is freed. Elsewhere (no ``MADV_NOHUGEPAGE``: not Linux), or below 4 MiB, ``np.zeros``."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    advise = getattr(mmap, "MADV_NOHUGEPAGE", None)
+    if n < _SPARSE_MIN_BYTES or advise is None:
+        return np.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(advise)
+    except OSError:  # a kernel without THP refuses the advice: 4 KiB pages anyway
+        pass
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)

@@ -20,6 +20,7 @@ import numpy as np
 from tangram.budgets import BudgetProfile, check_group_size, head_groups
 from tangram.config import EngineConfig, ModelConfig
 from tangram.errors import ConfigError
+from tangram.host_memory import sparse_zeros
 from tangram.placement import check_tp, slot_perm
 
 
@@ -665,14 +666,16 @@ class BlockTable:
         r0, T, c0 = self.pages.shape
         rows, cap = rows or r0, cap or c0
         cap = _aligned(cap)
-        pages = np.empty((rows, T, cap), dtype=np.int32)  # each byte written once (a pool's table is ~100s of MB)
         if self.private_ids:
+            pages = np.empty((rows, T, cap), dtype=np.int32)  # each byte written once (a pool's table is ~100s of MB)
             pages[:r0, :, :c0] = self.pages
             pages[:r0, :, c0:] = -1
             pages[r0:] = -1
         else:  # only the columns below nids are ever read: the rest stays unwritten (never paged in), not -1
             # Each (row, table)'s own ids, not every table up to the widest: one long shared chain made the
-            # rectangle up to it ~600x the ids (a 12,000-request Mooncake replay spent 1.4 s in 9 grows)
+            # rectangle up to it ~600x the ids (a 12,000-request Mooncake replay spent 1.4 s in 9 grows); and in
+            # 4 KiB pages (sparse_zeros): with numpy's huge pages each first write zeroed 2 MiB of the rectangle
+            pages = sparse_zeros((rows, T, cap), np.int32)
             n = self.nids.reshape(-1)
             k = np.flatnonzero(n)
             if k.size:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tangram.host_memory import sparse_zeros
 from tangram.paging import KVLayout, PagePool
 
 
@@ -130,8 +131,8 @@ class PrefixCache:
         # that one let go while another still lists it (then one scan of every unit's copy sources finds the
         # candidates). Zero means "none" so both arrays are left to the OS's zeroed pages until a page is listed: a
         # pool of many pages (65.8M at TP 8 with H_p 1) took 1.5 s to fill with -1 at every replica's start
-        self.listed = np.zeros(pool.num_pages, dtype=np.int16)
-        self.owner = np.zeros(pool.num_pages, dtype=np.int64)
+        self.listed = sparse_zeros(pool.num_pages, np.int16)  # (written at a few pages: 4 KiB pages, not huge ones)
+        self.owner = sparse_zeros(pool.num_pages, np.int64)
         pool.watch = self.listed
         self._serial = 0
         self._by_serial: dict[int, Unit] = {}  # tailed units by serial

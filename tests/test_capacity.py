@@ -226,6 +226,48 @@ def test_cli_jobs_gives_the_same_files(tmp_path):
     assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
 
 
+def test_jobs_auto_is_one_worker_per_mode_up_to_the_usable_cpus(monkeypatch):
+    from tangram.sim import cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "usable_cpus", lambda: 4)
+    big, small = sim_cli.AUTO_JOBS_TURNS, sim_cli.AUTO_JOBS_TURNS - 1
+    assert sim_cli.resolve_jobs(sim_cli.parse_jobs("auto"), 6, big) == 4
+    assert sim_cli.resolve_jobs(sim_cli.parse_jobs("AUTO"), 2, big) == 2  # never more workers than modes
+    assert sim_cli.resolve_jobs(None, 1, big) == 1
+    assert sim_cli.resolve_jobs(None, 6, small) == 1  # a small trace stays in this process
+    assert sim_cli.resolve_jobs(sim_cli.parse_jobs("3"), 6, small) == 3  # a count given is a count used
+    assert sim_cli.resolve_jobs(sim_cli.parse_jobs(8), 6, big) == 6
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two", "1.5", ""])
+def test_cli_bad_jobs_is_one_line_before_the_trace_is_read(tmp_path, capsys, bad):
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "missing.jsonl"), "--jobs", bad, "--out", str(out), "--no-plots"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--jobs" in err[0], err
+
+
+def test_cli_auto_jobs_runs_the_modes_in_workers_with_the_same_files(tmp_path, capsys, monkeypatch):
+    """A trace of AUTO_JOBS_TURNS turns or more runs its modes in worker processes by default (two here: the
+    usable CPUs are pinned), with files equal to a run in this process."""
+    from tangram.sim import cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sim_cli, "AUTO_JOBS_TURNS", 10)
+    tr = generate(12, "short", seed=4, rate=2.0, turns="uniform:1:2", output_tokens="uniform:20:60")
+    assert len(tr.turns) >= 10
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    a = _cli(tmp_path, str(p), "--mode", "tangram,full", "--jobs", "1", name="a")
+    assert "worker processes" not in capsys.readouterr().err
+    b = _cli(tmp_path, str(p), "--mode", "tangram,full", name="b")
+    assert "2 modes in 2 worker processes" in capsys.readouterr().err
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+    assert (a / "requests.csv").read_bytes() == (b / "requests.csv").read_bytes()
+
+
 def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
     """A capacity trial on a three-request trace with a loose SLO: the tuner records saturated=False and the load
     as the burst's served rate (a lower bound), not a capped rate from doubling."""

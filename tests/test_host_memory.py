@@ -37,3 +37,44 @@ def test_freed_blocks_are_reused_without_new_page_faults():
     # page in; kept in the heap, none
     assert before > 2500, f"the default allocator should map a 20 MB block afresh ({before:.0f} faults)"
     assert after < 100, f"{after:.0f} faults per reused 20 MB block"
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, 5, 7), "int32"), (((64 << 20) // 8,), "int64"), ((40, 64, 4096), "int32")])
+def test_sparse_zeros_is_a_zeroed_writable_array_of_the_shape(shape, dtype):
+    import numpy as np
+
+    from tangram.host_memory import sparse_zeros
+
+    a = sparse_zeros(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.writeable and a.flags.c_contiguous
+    assert not a.any()
+    flat = a.reshape(-1)
+    idx = np.random.default_rng(0).choice(flat.size, 100, replace=False)
+    flat[idx] = 7  # a view of the same memory: written through
+    assert int(a.sum()) == 700 and (a.reshape(-1)[idx] == 7).all()
+    b = a[1:]  # a view keeps the mapping alive after the array itself is gone
+    del a, flat
+    assert int(b.sum()) >= 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm, MADV_NOHUGEPAGE")
+def test_sparse_zeros_takes_memory_a_small_page_per_first_write():
+    """Writes 2 MiB apart into 256 MiB: 128 small pages (0.5 MiB), not 128 huge ones (256 MiB) as numpy's own
+    arrays of this size take where transparent huge pages are on for advised regions."""
+    import numpy as np
+
+    from tangram.host_memory import sparse_zeros
+
+    a = sparse_zeros((256 << 20) // 4, np.int32)
+    r0 = _resident_bytes()
+    a[:: (2 << 20) // 4] = 1
+    grown = _resident_bytes() - r0
+    assert int(a.sum()) == 128
+    assert grown < 16 << 20, f"{grown >> 20} MiB resident for 128 writes"
