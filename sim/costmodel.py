@@ -34,9 +34,24 @@ GEMM_OPS = ("qkv", "o", "gate_up", "down")
 HOST_TERMS = ("host", "runtime_plan", "reclaim")  # control-plane work on the host, outside the executor's kernels
 
 
+def _context_buckets(contexts: np.ndarray) -> list[int]:
+    """``decode_context_bucket`` of each context: one bucket for all when the smallest and the largest share it (the
+    bucket never falls as the context grows; a run's contexts are consecutive and mostly within one bucket)."""
+    lo, hi = decode_context_bucket(int(contexts.min())), decode_context_bucket(int(contexts.max()))
+    if lo == hi:
+        return [lo] * int(contexts.size)
+    return [decode_context_bucket(c) for c in contexts.tolist()]
+
+
 def kernel_terms(breakdown: dict) -> dict[str, float]:
     """A step's kernel seconds by :data:`engine_overhead.TERMS` ("dense": its GEMMs and element-wise ops)."""
-    return {t: sum(breakdown.get(k, 0.0) for k in keys) for t, (keys, _) in engine_overhead.TERM_KEYS.items()}
+    out = {}
+    for t, (keys, _) in engine_overhead.TERM_KEYS.items():
+        v = 0  # as sum(): 0 + each term in order (the same floats or arrays bit for bit, without a generator a term)
+        for k in keys:
+            v = v + breakdown.get(k, 0.0)
+        out[t] = v
+    return out
 
 
 @dataclass(frozen=True)
@@ -552,7 +567,7 @@ class CostModel:
         # (key, the launch's CTA counts when the key is not kept): the counts are made only when needed, and checked
         # right before each launch is built, since building one may push an earlier key out of the kept ones
         if self.partition == "aot":
-            keys = [None] if contexts is None else [decode_context_bucket(c) for c in contexts.tolist()]
+            keys = [None] if contexts is None else _context_buckets(contexts)
             launches = [(idx, ("aot", kd, b), lambda b=b, idx=idx: self._aot_reps(
                 kd, None if b is None else int(contexts[idx if isinstance(idx, int) else idx[0]])))
                 for b, idx in _groups(keys).items()]

@@ -43,6 +43,23 @@ from tangram.prefix_cache import ChainPlan, PrefixCache, check_prefix
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def _inserted(a: np.ndarray, i: int, x: int) -> np.ndarray:
+    """A read-only copy of the 1-d ``a`` with ``x`` at index ``i`` (np.insert's result, without its ~10 us of
+    argument handling)."""
+    out = np.empty(a.size + 1, dtype=a.dtype)
+    out[:i], out[i], out[i + 1:] = a[:i], x, a[i:]
+    out.flags.writeable = False
+    return out
+
+
+def _deleted(a: np.ndarray, i: int) -> np.ndarray:
+    """A read-only copy of the 1-d ``a`` without index ``i``."""
+    out = np.empty(a.size - 1, dtype=a.dtype)
+    out[:i], out[i:] = a[:i], a[i + 1:]
+    out.flags.writeable = False
+    return out
+
+
 @dataclass(eq=False)
 class Request:
     """One turn of a session being served (compared by identity: request ids are unique, and ``running.remove``
@@ -214,8 +231,9 @@ class Scheduler:
         if cuts is None:
             pieces = [int(prompt)]
         else:
-            end = start + int(prompt)
-            pieces = np.diff([start, *cuts[(cuts > start) & (cuts < end)].tolist(), end]).tolist()
+            end = start + int(prompt)  # the cuts strictly inside (start, end): cuts are increasing (chain ends)
+            pts = [start, *cuts[bisect_right(cuts, start):bisect_left(cuts, end)].tolist(), end]
+            pieces = [b - a for a, b in zip(pts, pts[1:])]
         n_full, rems = 0, []
         for x in pieces:
             f, r = divmod(int(x), C)
@@ -551,7 +569,9 @@ class Scheduler:
                 if resident:  # full mode: the resident history's complete pages inside the chain
                     self._register(req)
         self.running.append(req)
-        self._batch = None
+        b = self._batch
+        if b is not None:  # it prefills first: the decoding side is unchanged
+            self._batch = (b[0], b[1], b[2], b[3] + [req])
         self.stats.admitted += 1
         self.stats.prompt_tokens += prompt
         if chain is not None and not resident:
@@ -643,8 +663,9 @@ class Scheduler:
 
     def _partition(self) -> tuple[list, np.ndarray, np.ndarray, list]:
         """The running turns split by phase, in admission order: (decoding turns, their rows, their request ids,
-        prefilling turns). Kept until ``running`` changes or a prompt completes (``_batch = None``): a replay asks
-        ~10^5 times, for a batch that changes far less often. The arrays are read-only (plans carry them)."""
+        prefilling turns). Kept, and changed in place of a rebuild when a turn is admitted, completes its prompt or
+        finishes (``_batch_decodes``, ``_batch_drop``; a preemption rebuilds it): a replay asks ~5 x 10^4 times. The
+        arrays are read-only (plans carry them); with ``pool.check`` every call rebuilds it and compares."""
         b = self._batch
         if b is None or self.pool.check:
             dec, pre = [], []
@@ -653,10 +674,42 @@ class Scheduler:
             rows = np.fromiter((r.row for r in dec), dtype=np.int64, count=len(dec))
             ids = np.fromiter((r.rid for r in dec), dtype=np.int64, count=len(dec))
             rows.flags.writeable = ids.flags.writeable = False
-            if b is not None and (b[0] != dec or b[3] != pre or not np.array_equal(b[1], rows)):
+            if b is not None and (b[0] != dec or b[3] != pre or not np.array_equal(b[1], rows)
+                                  or not np.array_equal(b[2], ids)):
                 raise AssertionError("the running batch's partition changed without being invalidated")
             b = self._batch = (dec, rows, ids, pre)
         return b
+
+    def _batch_decodes(self, req: Request) -> None:
+        """Move a turn whose prompt completed from the kept partition's prefilling side to its decoding side, at its
+        place in admission order (``running`` is in ``seq`` order: a turn is appended when admitted): a replay
+        changes the batch ~36K times, and rebuilding it each time walked the whole running list."""
+        b = self._batch
+        if b is None:
+            return
+        dec, rows, ids, pre = b
+        if not any(r is req for r in pre):
+            self._batch = None
+            return
+        i = bisect_left([r.seq for r in dec], req.seq)
+        rows, ids = _inserted(rows, i, req.row), _inserted(ids, i, req.rid)
+        self._batch = (dec[:i] + [req] + dec[i:], rows, ids, [r for r in pre if r is not req])
+
+    def _batch_drop(self, req: Request) -> None:
+        """Take a turn that left ``running`` out of the kept partition (the rows keep their order)."""
+        b = self._batch
+        if b is None:
+            return
+        dec, rows, ids, pre = b
+        k = np.flatnonzero(rows == req.row)
+        if k.size == 1 and dec[int(k[0])] is req:
+            i = int(k[0])
+            rows, ids = _deleted(rows, i), _deleted(ids, i)
+            self._batch = (dec[:i] + dec[i + 1:], rows, ids, pre)
+        elif any(r is req for r in pre):
+            self._batch = (dec, rows, ids, [r for r in pre if r is not req])
+        else:
+            self._batch = None
 
     def _take_row(self, req: Request, row: int) -> None:
         """The turn holds ``row`` from now: its output count moves to ``gen[row]`` (``Request.generated``)."""
@@ -691,7 +744,7 @@ class Scheduler:
         self.ctx[row] += c
         req.prefilled += c
         if req.prefilled >= req.prompt:
-            self._batch = None  # it decodes from the next step
+            self._batch_decodes(req)  # it decodes from the next step
         self._in_step.add(req.rid)
         key = req.rid  # the dynamic mode's retention draw: per request, or per chain for a chunk of the chain
         if req.cuts is not None and start + c <= int(req.chain.ends[-1]):
@@ -751,7 +804,7 @@ class Scheduler:
         sess = self.sessions[req.sid]
         self._leave_row(req)
         self.running.remove(req)
-        self._batch = None
+        self._batch_drop(req)
         req.status = "finished"
         sess.history += req.new_tokens + req.output_tokens
         sess.busy = False
@@ -960,8 +1013,8 @@ class Scheduler:
             for rid, c in zip(uniq.tolist(), tok.astype(np.int64).tolist()):
                 self.requests[rid].prefilled += c
             last_prefill = [self.requests[int(r)] for r in run.chunk_ids[:n][run.chunk_last[:n]]]
-            if last_prefill:
-                self._batch = None  # they decode from the next step
+            for r in last_prefill:  # they decode from the next step
+                self._batch_decodes(r)
             self._head_tokens += int(run.chunk_keep[:n].sum())
         self._step += j
         st = self.stats
