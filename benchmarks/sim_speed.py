@@ -181,7 +181,7 @@ def main(argv=None) -> None:
     ap.add_argument("--requests", type=int, default=12_000)
     ap.add_argument("--single-modes", default="tangram,full")
     ap.add_argument("--repeat", type=int, default=1, help="repeat each single run (median reported)")
-    ap.add_argument("--jobs", type=int, default=2, help="--jobs of the capacity command")
+    ap.add_argument("--jobs", default="auto", help="--jobs of the capacity command (default auto: tangram-sim's)")
     ap.add_argument("--identity-sessions", type=int, default=1500,
                     help="sessions of the trace for the identity check (0: all; the step-by-step path is slow)")
     ap.add_argument("--identity-modes", default="tangram,full,dynamic")

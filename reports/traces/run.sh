@@ -33,6 +33,13 @@ nice -n 5 python benchmarks/sim_speed.py --what capacity --trace "$WORK/mooncake
 cp "$WORK/capacity/metrics.json" "$OUT/capacity_metrics.json"
 cp "$WORK/capacity/report.md" "$OUT/capacity_report.md"
 
+# the six modes in one process and in tangram-sim's default worker processes (--jobs auto): wall time, same files
+for j in 1 auto; do
+  /usr/bin/time -f "--jobs $j: %e s wall, %U s user" tangram-sim "$WORK/mooncake_12000.jsonl" --no-plots --jobs "$j" \
+      --out "$WORK/six_jobs_$j" > /dev/null
+done
+cmp "$WORK/six_jobs_1/requests.csv" "$WORK/six_jobs_auto/requests.csv"
+
 # 62 tangram-sim configurations on the trace's first 90 s, each in its own process (models x GPUs, TP, routers, ...)
 python benchmarks/sim_config_matrix.py "$WORK/mooncake_12000.jsonl" --out "$WORK/matrix" | tail -1 \
     > "$OUT/sim_config_matrix.json"
