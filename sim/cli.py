@@ -159,9 +159,9 @@ def run(args) -> dict:
         print(f"capacity: SLO {DEFAULT_SLO} (the default; --slo to change it)", file=sys.stderr)
     caps = None
     if jobs > 1:
-        print(f"tangram-sim: {len(modes)} modes in {jobs} worker processes (--jobs)", file=sys.stderr)
         n = len(modes) * (2 if args.capacity else 1)
-        bar = tqdm(total=n, desc="tangram-sim", unit="task", disable=None, file=sys.stderr, leave=False)
+        bar = tqdm(total=n, desc=f"tangram-sim ({jobs} workers)", unit="task", disable=None, file=sys.stderr,
+                   leave=False)
         outs, caps = _runs_then_searches(trace, spec, modes, ff, (slo, target) if args.capacity else None,
                                          jobs, bar)
     else:
