@@ -441,7 +441,11 @@ def tail_wave_time(total: np.ndarray, tail: np.ndarray, launch: WaveLaunch, bw: 
     rates = _tail_rates(N, float(bw), float(cta_bw), rate_model)
     # a last wave of N slots holds its CTAs after zero padding, so only the longest tail's w columns are sized
     sub = np.zeros(lead + (L, w))
-    sub.reshape(lead + (L * w,))[..., launch.tdst] = tail
+    # placed one size set at a time: numpy's 1-d fancy assignment takes ~40% of the time of its [..., idx] form here
+    # (3,480 CTAs into 32 x 168: 5 vs 12 us)
+    rows, src = sub.reshape(-1, L * w), np.reshape(tail, (-1, np.shape(tail)[-1]))
+    for i in range(rows.shape[0]):
+        rows[i][launch.tdst] = src[i]
     if launch.grouped:  # entries of equal CTAs: sorted, entry j's size step is paid at its first CTA's position
         body = (total - (sub * launch.tcnt).sum(axis=-1)) / bw
         order = sub.argsort(axis=-1, kind="stable")

@@ -12,13 +12,15 @@ import resource
 import torch
 from tangram.host_memory import retain_freed_memory
 
-def faults(nbytes, reps=4):
+def faults(nbytes, reps=5):
     for _ in range(3):  # the heap grows to its high-water mark first; the steady state is what a long run sees
         x = torch.empty(nbytes, dtype=torch.uint8); x.fill_(1); del x
-    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    per = []
     for _ in range(reps):
+        r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         x = torch.empty(nbytes, dtype=torch.uint8); x.fill_(1); del x
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / reps
+        per.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+    return sorted(per)[reps // 2]  # the median block: now and then one lands on fresh heap pages (below)
 
 before = faults(20 << 20)
 ok = retain_freed_memory()
@@ -34,7 +36,9 @@ def test_freed_blocks_are_reused_without_new_page_faults():
     if not ok:
         pytest.skip("this libc does not take mallopt's settings")
     # 20 MB (about a batch of cache rows of one layer) is 5,120 pages: mapped afresh, every block faults each
-    # page in; kept in the heap, none
+    # page in; kept in the heap, none. Per block, not on average: about one child in six had one of its blocks of
+    # the steady state fault all 5,120 pages in (the heap's top moved past it), so a mean of 4 read 1,280 (the
+    # same with this module as of be6e3f8: not the settings failing, the measurement)
     assert before > 2500, f"the default allocator should map a 20 MB block afresh ({before:.0f} faults)"
     assert after < 100, f"{after:.0f} faults per reused 20 MB block"
 
