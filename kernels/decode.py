@@ -371,10 +371,9 @@ def paged_decode(q, kv_pool, block_table, head_lens, slot_to_head, split_map, *,
 
 def static_split_num_splits(batch: int, num_kv_heads: int, max_len: int, num_sms: int, head_dim: int = 128) -> int:
     """FlashDecoding's num_splits for the launch (flash-attn's block_n: 256 for d<=64, 128 for d<=128, else 64)."""
-    from tangram.planner import flashdecoding_num_splits
+    from tangram.planner import flashdecoding_num_splits, split_kv_block
 
-    block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
-    return flashdecoding_num_splits(batch * num_kv_heads, num_sms, max(1, -(-int(max_len) // block_n)))
+    return flashdecoding_num_splits(batch * num_kv_heads, num_sms, max(1, -(-int(max_len) // split_kv_block(head_dim))))
 
 
 _STATIC_CACHE: dict = {}

@@ -23,7 +23,7 @@ from tangram.paging import KVLayout
 from tangram.plan import RunResult, StepPlan, StepResult, StepRun
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits,
                              launch_fixed_times, launch_layer_times, launch_wave_time, pow2_bucket, runtime_plan,
-                             tail_layer_times, tail_wave_time, wave_launch)
+                             split_kv_block, tail_layer_times, tail_wave_time, wave_launch)
 
 from . import engine_overhead
 from .tables import resolve as resolve_tables
@@ -572,8 +572,7 @@ class CostModel:
                 kd, None if b is None else int(contexts[idx if isinstance(idx, int) else idx[0]])))
                 for b, idx in _groups(keys).items()]
         else:
-            d = self.model.head_dim
-            block_n = 256 if d <= 64 else (128 if d <= 128 else 64)  # flash-attn's split-KV block
+            block_n = split_kv_block(self.model.head_dim)
             top = int(lens0.max()) if lens0.size else 0
             keys = [self._static_split(kd * H, max(1, -(-max(top + o, 1) // block_n))) for o in offs.tolist()]
             if L > 1 and (lens0 == lens0[:, :1, :1]).all():  # every layer alike: one priced for the L equal ones

@@ -28,7 +28,7 @@ from tangram.config import get_model
 from tangram.errors import ConfigError
 from tangram.cli import Parser, cli_main, parse
 from tangram.planner import (DecodeCosts, aot_bucket_split_map, decode_context_bucket, decode_layer_times,
-                             flashdecoding_num_splits, runtime_plan, split_candidates)
+                             flashdecoding_num_splits, runtime_plan, split_candidates, split_kv_block)
 
 from .tables import TABLES_ROOT, CostTables
 
@@ -74,7 +74,7 @@ def row_cases(df, n_occ: int, num_sms: int, max_rows: int = 400, seed: int = 0) 
         seed_r = r["profile_seed"] if _is_set(r.get("profile_seed", "")) else 0
         B = _profile(m, rho, seed_r)
         calls = [c % m.num_layers for c in range(int(r["n_calls"]))]
-        block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
+        block_n = split_kv_block(d)
         if r["kernel"] == "static_split":
             Hp = H
             perm = np.tile(np.arange(H), (m.num_layers, 1))

@@ -41,9 +41,9 @@ from tangram.paging import KVLayout
 from tangram.placement import check_tp, page_shares
 from tangram.plan import RunResult, StepPlan, StepResult
 from tangram.planner import aot_bucket_split_map, decode_context_bucket, flashdecoding_num_splits, pow2_bucket, \
-    launch_fixed_times, runtime_plan, tail_layer_times, tail_wave_time, wave_launch
+    launch_fixed_times, runtime_plan, split_kv_block, tail_layer_times, tail_wave_time, wave_launch
 
-from .costmodel import GEMM_OPS, CostModel, _groups
+from .costmodel import CostModel, _groups
 
 ALLREDUCE_FILE = "allreduce.csv"
 ALLREDUCE_COLS = ("tp", "bytes", "median_us")
@@ -245,8 +245,7 @@ class TPCostModel(CostModel):
                 keys = [("aot", r, kd, b, decode_context_bucket(c) if c is not None else decode_context_bucket(1 << 30))
                         for c in ctx]
             else:
-                d = self.model.head_dim
-                block_n = 256 if d <= 64 else (128 if d <= 128 else 64)
+                block_n = split_kv_block(self.model.head_dim)
                 top = int(lr0.max()) if lr0.size else None  # the longest head grown by o: lr.max(initial=1)
                 keys = [("static", r, kd, Hr, flashdecoding_num_splits(
                     kd * Hr, self.gpu.num_sms, max(1, -(-(max(top + o, 1) if top is not None else 1) // block_n))))

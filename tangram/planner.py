@@ -594,7 +594,7 @@ def split_candidates(B: np.ndarray, perm: np.ndarray, heads_per_group: int, n_oc
     cap = np.clip(np.floor(np.ceil(gmax * context) / min_split_tokens), 1, max_splits).astype(np.int32)
     out: dict[str, np.ndarray] = {}
     if num_sms:
-        block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)  # as static_split_num_splits
+        block_n = split_kv_block(head_dim)
         longest = int(np.ceil(Bg.max() * context))  # at the bucket's edge, where FlashDecoding would see it
         ns = flashdecoding_num_splits(bucket * H, num_sms, max(1, -(-longest // block_n)))
         out["static"] = np.full((L, G), ns, dtype=np.int32)
@@ -710,6 +710,12 @@ def _aot_bucket_split_map(B: np.ndarray, perm: np.ndarray, heads_per_group: int,
 
 
 FLASHDECODING_SM_FACTOR = 2  # flash_api.cpp: "We multiply number of SMs by 2 to hard-code ... 128 threads per block"
+
+
+def split_kv_block(head_dim: int) -> int:
+    """flash-attn's split-KV block (``block_n``) for a head dimension: the tokens FlashDecoding's num_splits
+    counts a sequence in (256 for d <= 64, 128 for d <= 128, else 64)."""
+    return 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
 
 
 def flashdecoding_num_splits(batch_nheads: int, num_sms: int, num_n_blocks: int, max_splits: int = 128) -> int:

@@ -52,6 +52,14 @@ def _inserted(a: np.ndarray, i: int, x: int) -> np.ndarray:
     return out
 
 
+def _position(turns: list, req) -> int:
+    """Index of ``req`` in ``turns`` (by identity: a Request compares as itself), -1 when absent."""
+    try:
+        return turns.index(req)
+    except ValueError:
+        return -1
+
+
 def _deleted(a: np.ndarray, i: int) -> np.ndarray:
     """A read-only copy of the 1-d ``a`` without index ``i``."""
     out = np.empty(a.size - 1, dtype=a.dtype)
@@ -688,10 +696,10 @@ class Scheduler:
         if b is None:
             return
         dec, rows, ids, pre = b
-        if req not in pre:  # (by identity: a Request compares as itself)
+        j = _position(pre, req)
+        if j < 0:
             self._batch = None
             return
-        j = pre.index(req)
         i = bisect_left([r.seq for r in dec], req.seq)
         rows, ids = _inserted(rows, i, req.row), _inserted(ids, i, req.rid)
         self._batch = (dec[:i] + [req] + dec[i:], rows, ids, pre[:j] + pre[j + 1:])
@@ -702,11 +710,10 @@ class Scheduler:
         if b is None:
             return
         dec, rows, ids, pre = b
-        if req in dec:  # (by identity: a Request compares as itself)
-            i = dec.index(req)
+        i = _position(dec, req)
+        if i >= 0:
             self._batch = (dec[:i] + dec[i + 1:], _deleted(rows, i), _deleted(ids, i), pre)
-        elif req in pre:
-            j = pre.index(req)
+        elif (j := _position(pre, req)) >= 0:
             self._batch = (dec, rows, ids, pre[:j] + pre[j + 1:])
         else:
             self._batch = None
