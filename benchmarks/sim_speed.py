@@ -8,8 +8,9 @@ trace's statistics) imported with ``import_mooncake`` (~8,200 sessions, inputs m
 its wall time and CPU time (user + system of the child) side by side with the machine's load average, since the
 2-core dev machine is shared: compare ratios measured in one run, never numbers across runs.
 
-Run: ``python benchmarks/sim_speed.py [--what single,capacity,identity] [--baseline-python OLD/.venv/bin/python]``
-(reports/traces/run.sh has the acceptance commands). The last line of output is one JSON object.
+Run: ``python benchmarks/sim_speed.py [--what single,capacity,identity,probes] [--baseline-python
+OLD/.venv/bin/python]`` (reports/traces/run.sh has the acceptance commands). The last line of output is one JSON
+object.
 """
 from __future__ import annotations
 
@@ -152,6 +153,48 @@ def identity(trace_path: Path, sessions: int, modes) -> dict:
     return out
 
 
+def probe_costs(trace_path: Path, modes) -> dict:
+    """Where a capacity search's time goes, per mode, in this process: the run at the trace's own load (which the
+    search reuses), then every replay the search runs, each with its CPU seconds, rate, verdict and whether the SLO
+    monitor stopped it early. The same search as ``tangram-sim --capacity`` (default SLO, fast-forward, early stop),
+    minus the worker processes."""
+    from tangram.cli import from_cli, parse
+    from tangram.harness.capacity import capacity_search
+    from tangram.harness.slo import DEFAULT_SLO
+    from tangram.sim.cli import _parser
+    from tangram.sim.run import simulate
+
+    out = {}
+    for mode in modes:
+        spec = from_cli(parse(_parser(), [str(trace_path), "--mode", mode]))
+        trace, slo = spec.load_trace(), spec.slo_targets(DEFAULT_SLO)
+        t0 = time.process_time()
+        at_load = simulate(trace, spec, mode, record_kv=False)[0]
+        rows = [{"kind": "at load", "cpu_s": round(time.process_time() - t0, 2), "rps": at_load.get("throughput_rps"),
+                 "stopped_early": False}]
+
+        def run(t):
+            t1 = time.process_time()
+            summ = simulate(t, spec, mode, record_kv=False, stop_slo=slo)[0]
+            rows.append({"kind": "probe", "cpu_s": round(time.process_time() - t1, 2),
+                         "offered_rps": round(len(t.turns) / (max(x.arrival_s for x in t.turns if x.turn == 0)
+                                                               - min(x.arrival_s for x in t.turns if x.turn == 0)), 4),
+                         "stopped_early": bool(summ.get("stopped_early"))})
+            return summ
+
+        cap = capacity_search(trace, run, slo, known={1.0: at_load})
+        met = {round(p[0], 4): p[2] for p in cap["probes"] if p[4] == "probe"}
+        for r in rows[1:]:
+            r["met"] = met.get(r["offered_rps"])
+        by = {"at load": rows[0]["cpu_s"],
+              "met": round(sum(r["cpu_s"] for r in rows[1:] if r["met"]), 2),
+              "missed": round(sum(r["cpu_s"] for r in rows[1:] if r["met"] is False), 2)}
+        out[mode] = {"replays": rows, "cpu_s_by_kind": by, "max_rate_rps": cap["max_rate_rps"],
+                     "bracket_rps": cap["bracket_rps"]}
+        print(json.dumps({mode: out[mode]}), flush=True)
+    return out
+
+
 def alternate(me: str, base: str, trace: Path, mode: str, work: Path, rounds: int) -> dict:
     """``rounds`` x (this checkout's run, then the baseline's) of one mode, one process at a time: CPU-s of each,
     their min and median, the ratios (baseline / this), and whether the last runs' ``requests.csv`` are equal."""
@@ -168,11 +211,40 @@ def alternate(me: str, base: str, trace: Path, mode: str, work: Path, rounds: in
             (work / f"alt_baseline_{mode}" / "requests.csv").read_bytes()}
 
 
+def _answers(out: Path) -> dict:
+    """Per mode of a ``--capacity`` run: its max rate, bracket and replays by kind."""
+    return {k: {"max_rate_rps": v.get("max_rate_rps"), "bracket_rps": v.get("capacity_bracket_rps"),
+                "replays": v.get("capacity_replays")}
+            for k, v in _metrics(out).items() if isinstance(v, dict) and "capacity_probes" in v}
+
+
+def alternate_capacity(me: str, base: str, trace: Path, work: Path, rounds: int, jobs: str) -> dict:
+    """``rounds`` x (this checkout's ``--capacity`` run of all six modes, then the baseline's), one process at a time:
+    wall and CPU seconds of each, the ratios (baseline / this) of their medians, the replays each search ran (met /
+    missed, summed over the modes) and whether both found the same answers."""
+    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+    for r in range(rounds):
+        for who, py in (("this", me), ("baseline", base)):
+            out = work / f"cap_{who}_{r}"
+            res = run_cli(py, [str(trace), "--capacity", "--jobs", str(jobs), "--no-plots", "--out", str(out)])
+            ans = _answers(out)
+            res["met"] = sum(v["replays"]["met"] for v in ans.values())
+            res["missed"] = sum(v["replays"]["missed"] for v in ans.values())
+            res["answers"] = {k: [v["max_rate_rps"], v["bracket_rps"]] for k, v in ans.items()}
+            runs[who].append(res)
+    med = {who: {k: float(np.median([x[k] for x in v])) for k in ("wall_s", "cpu_s")} for who, v in runs.items()}
+    return {"runs": runs, "median": med,
+            "speedup_median_wall": round(med["baseline"]["wall_s"] / med["this"]["wall_s"], 3),
+            "speedup_median_cpu": round(med["baseline"]["cpu_s"] / med["this"]["cpu_s"], 3),
+            "same_answers": all(x["answers"] == runs["this"][0]["answers"] for v in runs.values() for x in v)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--what", default="single,capacity,identity",
                     help="comma list of: single (one run of --single-modes), capacity (--capacity, all six modes), "
-                         "identity (fast-forward vs step-by-step on --identity-sessions sessions)")
+                         "identity (fast-forward vs step-by-step on --identity-sessions sessions), probes (the CPU "
+                         "seconds of each replay of a capacity search, --probe-modes)")
     ap.add_argument("--trace", help="trace to use (default: generate and import the Mooncake-format trace, or with "
                                     "--burstgpt the BurstGPT-format one)")
     ap.add_argument("--burstgpt", action="store_true",
@@ -182,6 +254,8 @@ def main(argv=None) -> None:
     ap.add_argument("--single-modes", default="tangram,full")
     ap.add_argument("--repeat", type=int, default=1, help="repeat each single run (median reported)")
     ap.add_argument("--jobs", default="auto", help="--jobs of the capacity command (default auto: tangram-sim's)")
+    ap.add_argument("--probe-modes", default="full,tangram",
+                    help="modes of --what probes (one capacity search each, in this process, every replay timed)")
     ap.add_argument("--identity-sessions", type=int, default=1500,
                     help="sessions of the trace for the identity check (0: all; the step-by-step path is slow)")
     ap.add_argument("--identity-modes", default="tangram,full,dynamic")
@@ -193,7 +267,8 @@ def main(argv=None) -> None:
     ap.add_argument("--alternate", type=int, default=0,
                     help="with --baseline-python: N rounds of this checkout then the baseline, one process at a time "
                          "(min and median CPU-s of each; on a shared machine whose speed drifts by 20%% between "
-                         "minutes, alternating is what makes the ratio mean something)")
+                         "minutes, alternating is what makes the ratio mean something); for --what single and "
+                         "capacity")
     a = ap.parse_args(argv)
     what = {w.strip() for w in a.what.split(",") if w.strip()}
     work = Path(a.work or tempfile.mkdtemp(prefix="sim_speed_"))
@@ -238,6 +313,10 @@ def main(argv=None) -> None:
                 for m in a.single_modes.split(",") if not res["baseline_single"][m]["runs"][-1]["timed_out"]}
             print(json.dumps({"baseline_single": res["baseline_single"],
                               "requests_csv_identical": res["requests_csv_identical"]}), flush=True)
+    if "capacity" in what and a.alternate and a.baseline_python:
+        res["alternate_capacity"] = alternate_capacity(me, a.baseline_python, trace, work, a.alternate, a.jobs)
+        print(json.dumps({"alternate_capacity": res["alternate_capacity"]}), flush=True)
+        what.discard("capacity")
     if "capacity" in what:
         out = work / "capacity"
         r = run_cli(me, [str(trace), "--capacity", "--jobs", str(a.jobs), "--no-plots", "--out", str(out)])
@@ -255,6 +334,8 @@ def main(argv=None) -> None:
                               for key in ("probe", "met", "missed", "stopped_early", "burst", "reused")}
         res["capacity"] = r
         print(json.dumps({"capacity": r}), flush=True)
+    if "probes" in what:
+        res["probes"] = probe_costs(trace, a.probe_modes.split(","))
     if "identity" in what:
         res["identity"] = identity(trace, a.identity_sessions, a.identity_modes.split(","))
         print(json.dumps({"identity": res["identity"]}), flush=True)

@@ -25,6 +25,9 @@ if [ $# -ge 1 ]; then  # this checkout and OLD_PYTHON one process at a time, 3 r
       "${BASE[@]}" --alternate 3 | tail -1 > "$OUT/sim_speed_alternate_mooncake.json"
   python benchmarks/sim_speed.py --what single --burstgpt --work "$WORK/alt_bg" "${BASE[@]}" --alternate 3 \
       | tail -1 > "$OUT/sim_speed_alternate_burstgpt.json"
+  # --capacity for six modes, this checkout and OLD_PYTHON one process at a time, 2 rounds (~20 min)
+  python benchmarks/sim_speed.py --what capacity --trace "$WORK/mooncake_12000.jsonl" --work "$WORK/alt_cap" \
+      "${BASE[@]}" --alternate 2 | tail -1 > "$OUT/sim_speed_capacity_alternate_search.json"
 fi
 python benchmarks/sim_speed.py --what identity --trace "$WORK/mooncake_12000.jsonl" --work "$WORK/id" \
     | tail -1 > "$OUT/sim_speed_identity.json"
@@ -32,6 +35,13 @@ nice -n 5 python benchmarks/sim_speed.py --what capacity --trace "$WORK/mooncake
     | tail -1 > "$OUT/sim_speed_capacity.json"
 cp "$WORK/capacity/metrics.json" "$OUT/capacity_metrics.json"
 cp "$WORK/capacity/report.md" "$OUT/capacity_report.md"
+# where a capacity search's time goes: every replay of the full and tangram searches timed, in one process
+python benchmarks/sim_speed.py --what probes --trace "$WORK/mooncake_12000.jsonl" --work "$WORK/probes" \
+    | tail -1 > "$OUT/sim_speed_probe_costs.json"
+# a numba port of the decode wave model, bit for bit, timed against numpy (needs `pip install numba`; skipped without)
+if python -c "import numba" 2> /dev/null; then
+  python benchmarks/wave_model_jit.py "$WORK/mooncake_12000.jsonl" | tail -1 > "$OUT/wave_model_jit.json"
+fi
 
 # the six modes in one process and in tangram-sim's default worker processes (--jobs auto): wall time, same files
 for j in 1 auto; do

@@ -194,7 +194,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ replicas
     def _run_replica(self, rep: _Replica):
-        env, sched, tr = self.env, rep.sched, rep.trace
+        env, sched = self.env, rep.sched
         ff = self.fast_forward and rep.ff
         while True:
             if not sched.has_work():

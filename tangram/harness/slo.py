@@ -33,10 +33,19 @@ def parse_slo(text: str) -> dict[str, float]:
     return out
 
 
+def vacuous(summary: dict, key: str) -> bool:
+    """A TPOT term with nothing to measure: requests finished, but none decoded a second token (every output one
+    token long, as in prefill-only or scoring traces). It holds, whatever the load; a TTFT or E2E term without a value
+    means nothing finished, which is a miss."""
+    return key.startswith("tpot") and summary.get(f"{key}_s") is None and (summary.get("completed") or 0) > 0
+
+
 def meets_slo(summary: dict, slo: dict[str, float]) -> bool:
     """All SLO percentiles met, and no request lost to load (stalls); size rejections are load-free."""
     for k, v in slo.items():
         got = summary.get(f"{k}_s")
+        if vacuous(summary, k):
+            continue
         if got is None or got > v:
             return False
     if any(not r.startswith(LOAD_FREE_REJECTIONS) for r in summary.get("rejected_reasons", {})):
@@ -47,12 +56,13 @@ def meets_slo(summary: dict, slo: dict[str, float]) -> bool:
 def slo_verdict(summary: dict, slo: dict[str, float]) -> dict:
     """Each SLO term against a run's summary, and the whole: ``{"terms": {key: {"bound_s", "measured_s", "met"}},
     "load_rejections": n, "met": bool}`` (``met`` is :func:`meets_slo`: every term, no turn lost to load, and
-    something completed). A term the run has no value for (nothing completed) is not met."""
+    something completed). A term the run has no value for is not met when nothing completed, and met when it is a
+    TPOT term and no finished request decoded a second token (:func:`vacuous`)."""
     terms = {}
     for k, bound in slo.items():
         got = summary.get(f"{k}_s")
         terms[k] = {"bound_s": float(bound), "measured_s": None if got is None else float(got),
-                    "met": got is not None and got <= bound}
+                    "met": vacuous(summary, k) or (got is not None and got <= bound)}
     lost = sum(n for r, n in (summary.get("rejected_reasons") or {}).items()
                if not r.startswith(LOAD_FREE_REJECTIONS))
     return {"terms": terms, "load_rejections": int(lost), "met": meets_slo(summary, slo)}
@@ -67,7 +77,8 @@ def verdict_line(verdict: dict) -> str:
     """One line for a terminal or a report: ``met`` / ``MISSED`` and every term's measured value and bound."""
     parts = []
     for k, t in verdict["terms"].items():
-        got = "n/a" if t["measured_s"] is None else f"{t['measured_s']:.4g} s"
+        got = ("n/a (no request decoded a second token)" if t["met"] else "n/a") if t["measured_s"] is None else \
+            f"{t['measured_s']:.4g} s"
         parts.append(f"{k} {got} {'<=' if t['met'] else '>'} {t['bound_s']:g} s{'' if t['met'] else ' (missed)'}")
     if verdict["load_rejections"]:
         parts.append(f"{verdict['load_rejections']} requests rejected under load (missed)")
