@@ -201,12 +201,17 @@ def plot_throughput(path: Path, metrics: dict, key: str = "throughput_rps", labe
 def plot_latency_cdfs(path: Path, per_mode_records: dict) -> Path:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    drawn = [False, False]
     for mode, recs in per_mode_records.items():
-        for ax, attr in zip(axes, ("ttft_s", "tpot_s")):
+        for i, (ax, attr) in enumerate(zip(axes, ("ttft_s", "tpot_s"))):
             x = np.sort([getattr(r, attr) for r in recs if r.status == "finished" and getattr(r, attr) is not None])
             if x.size:
                 ax.plot(x, np.arange(1, x.size + 1) / x.size, label=mode)
-    for ax, attr in zip(axes, ("TTFT (s)", "TPOT (s)")):
+                drawn[i] = True
+    empty = ("no request finished", "no finished request decoded a second token")
+    for ax, attr, done, why in zip(axes, ("TTFT (s)", "TPOT (s)"), drawn, empty):
+        if not done:  # an empty panel says why rather than look like a plotting failure
+            ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, fontsize=9, color="0.35")
         ax.set_xscale("log")
         ax.set_xlabel(attr)
         ax.set_ylabel("CDF")
