@@ -74,6 +74,7 @@ def predict_limit(passes: list[tuple[float, float]]) -> float | None:
 
 FIRST_ABOVE_STEPS = 1  # the first probe this many w-steps above the guess: a miss costs less than a meet
 DESCENT_STEPS = 3  # misses in a row stepped down by w before the steps grow
+MODEL_AIM = 0.5  # while only passes are known, the model's limit L is probed at L w^MODEL_AIM: just above it
 
 
 def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, down: int) -> float:
@@ -90,7 +91,11 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
     steps grow), so that the first replay that meets the SLO usually ends the search. Against the guess itself and
     growing steps from the first miss, over guesses 25% below to 25% above the limit (queue-like replays, a miss
     costing 0.35 of a meet), the expected cost is 11-15% lower, with about as many replays
-    (tests/test_capacity.py::test_the_search_spends_less_than_the_guess_first_search).
+    (tests/test_capacity.py::test_the_search_spends_less_than_the_guess_first_search). For the same reason, while
+    only passes are known (the trace's own load met the SLO, or the first probes did) the model's limit L is probed
+    just above, at ``L sqrt(w)``, not just below: the model underestimates a limit where the SLO usage rises more
+    steeply than a queue's, and each step below it is a whole replay (test
+    ``test_probing_above_the_model_costs_less_when_it_underestimates``).
 
     The search ends when a met scale and a missed one are within ``w``. With a good prediction L of the limit
     (:func:`_predict`) that takes two replays, one met just below L and one missed just above, so a probe aims
@@ -111,8 +116,8 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
                 if guess * w ** (k + 1) <= hi:
                     return guess * w ** k
         return hi / (w if down <= DESCENT_STEPS else gallop(down - DESCENT_STEPS))
-    if hi_far:  # only passes below the far miss: up in growing steps, or to the prediction
-        x = lo * gallop(up) if lim is None else min(max(lim / math.sqrt(w), lo * w), lo * 2.0)
+    if hi_far:  # only passes below the far miss: up in growing steps, or just above the prediction
+        x = lo * gallop(up) if lim is None else min(max(lim * w ** MODEL_AIM, lo * w), lo * 2.0)
         return min(x, math.sqrt(lo * hi))
     if hi / lo <= w * w * (1 + 1e-9):  # one more replay ends it, whatever its outcome
         return min(max(lim, hi / w), lo * w) if lim is not None else math.sqrt(lo * hi)
