@@ -159,7 +159,8 @@ def probe_costs(trace_path: Path, modes) -> dict:
     monitor stopped it early. The same search as ``tangram-sim --capacity`` (default SLO, fast-forward, early stop),
     minus the worker processes."""
     from tangram.cli import from_cli, parse
-    from tangram.harness.capacity import capacity_search
+    from tangram.harness import capacity_search, meets_slo, offered_rps
+    from tangram.harness.capacity import BURST_SPAN_S
     from tangram.harness.slo import DEFAULT_SLO
     from tangram.sim.cli import _parser
     from tangram.sim.run import simulate
@@ -176,16 +177,14 @@ def probe_costs(trace_path: Path, modes) -> dict:
         def run(t):
             t1 = time.process_time()
             summ = simulate(t, spec, mode, record_kv=False, stop_slo=slo)[0]
-            rows.append({"kind": "probe", "cpu_s": round(time.process_time() - t1, 2),
-                         "offered_rps": round(len(t.turns) / (max(x.arrival_s for x in t.turns if x.turn == 0)
-                                                               - min(x.arrival_s for x in t.turns if x.turn == 0)), 4),
+            rps = offered_rps(t)
+            burst = len(t.turns) / rps <= 2 * BURST_SPAN_S  # the search's whole-trace-at-once probe
+            rows.append({"kind": "burst" if burst else "probe", "cpu_s": round(time.process_time() - t1, 2),
+                         "offered_rps": round(rps, 4), "met": meets_slo(summ, slo),
                          "stopped_early": bool(summ.get("stopped_early"))})
             return summ
 
         cap = capacity_search(trace, run, slo, known={1.0: at_load})
-        met = {round(p[0], 4): p[2] for p in cap["probes"] if p[4] == "probe"}
-        for r in rows[1:]:
-            r["met"] = met.get(r["offered_rps"])
         by = {"at load": rows[0]["cpu_s"],
               "met": round(sum(r["cpu_s"] for r in rows[1:] if r["met"]), 2),
               "missed": round(sum(r["cpu_s"] for r in rows[1:] if r["met"] is False), 2)}

@@ -108,8 +108,7 @@ def _fake_run(limit_rps: float, base: float, calls: list, served_rps: float = 0.
     """A replay whose TTFT p99 is 1 s below ``limit_rps`` offered and 100 s above it; it serves at most
     ``served_rps`` (the throughput a saturated run reports; 0: none reported)."""
     def run(trace):
-        arr = [t.arrival_s for t in trace.turns if t.turn == 0]
-        rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+        rate = _rate(trace)
         calls.append(rate)
         p99 = 1.0 if rate <= limit_rps else 100.0
         return {"ttft_p99_s": p99, "completed": 10, "rejected_reasons": {}, "throughput_rps": min(rate, served_rps)}
@@ -320,6 +319,12 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from tangram.harness.capacity import predict_limit  # noqa: E402
 
 
+def _rate(trace) -> float:
+    """The offered rate of a fake replay's trace (infinite when every session arrives at once)."""
+    arr = [t.arrival_s for t in trace.turns if t.turn == 0]
+    return len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+
+
 def _queue_run(limit_rps: float, calls: list, *, served_rps: float | None = None, bound: float = 60.0,
                unloaded: float = 0.0, noise=None, flip=None):
     """A replay whose TTFT p99 grows like a queue's wait, ``unloaded + c / (mu - rate)``, with mu and c such that it
@@ -331,8 +336,7 @@ def _queue_run(limit_rps: float, calls: list, *, served_rps: float | None = None
     served = mu if served_rps is None else served_rps
 
     def run(trace):
-        arr = [t.arrival_s for t in trace.turns if t.turn == 0]
-        rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+        rate = _rate(trace)
         calls.append(rate)
         p99 = unloaded + c / (mu - rate) if rate < mu else 1e9
         if noise is not None:
@@ -421,8 +425,7 @@ def _curve_run(limit: float, shape: str):
         return 60.0 * x
 
     def run(trace):
-        arr = [t.arrival_s for t in trace.turns if t.turn == 0]
-        rate = len(trace.turns) / (max(arr) - min(arr)) if max(arr) > min(arr) else float("inf")
+        rate = _rate(trace)
         p = p99(rate / limit) if math.isfinite(rate) else 1e9
         out = {"ttft_p99_s": p, "completed": 10, "rejected_reasons": {}, "throughput_rps": min(rate, limit / 2)}
         if p > 60.0:
