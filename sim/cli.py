@@ -10,7 +10,7 @@ import math
 import os
 import sys
 
-from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
 
@@ -59,7 +59,8 @@ def _mode_capacity(trace, spec, mode: str, slo: dict, target, at_load: dict | No
     from .run import capacity_search, replicas_needed
 
     known = {1.0: at_load} if at_load is not None else None
-    cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known)
+    cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known,
+                          tol=spec.capacity_tol)
     if target is not None:
         if not cap["saturated"]:  # the whole trace at once met the SLO on spec.replicas: start there, search down
             first = spec.replicas  # (its served rate is no capacity: target / it would start hundreds too high)
@@ -141,6 +142,10 @@ def run(args) -> dict:
     jobs = parse_jobs(args.jobs)
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO
+    unused = [f"--{k.replace('_', '-')}" for k in ("target_rate", "capacity_tol") if k in spec_overrides(args)]
+    if unused and not args.capacity:  # (--slo alone still prints the verdict at the trace's load)
+        verb = "applies" if len(unused) == 1 else "apply"
+        print(f"note: {' and '.join(unused)} only {verb} with --capacity: ignored", file=sys.stderr)
     slo = spec.slo_targets(DEFAULT_SLO if args.capacity else None)
     accuracy, accuracy_label = AccuracyModel.for_run(spec.model.name, spec.profile, spec.accuracy_table)
     jobs = resolve_jobs(jobs, len(modes), len(trace.turns))
@@ -201,7 +206,8 @@ def run(args) -> dict:
               "gpu": spec.gpu.name, "seed": spec.seed,
               "tp": spec.engine.tp, "placement": spec.engine.placement if spec.engine.tp > 1 else None,
               "router": spec.router, "profile": spec.profile_label, "offered_rps": offered,
-              "slo": slo, "target_rate": spec.target_rate, "trace_window": spec.trace_window,
+              "slo": slo, "target_rate": spec.target_rate,
+              "capacity_tol": spec.capacity_tol if args.capacity else None, "trace_window": spec.trace_window,
               "rate_scale": spec.rate_scale}
     common["accuracy"] = accuracy_label
     common["trace_warnings"] = trace_warnings

@@ -85,11 +85,6 @@ def _window(v: str) -> str:
     return v
 
 
-def _positive(name: str, v):
-    if v is not None and not v > 0:
-        raise ConfigError(f"{name} must be > 0, got {v}")
-
-
 @dataclass
 class DeploymentSpec:
     """One deployment and how to run it. Built by :func:`load` (every CLI) or directly (tests, the tuner).
@@ -139,6 +134,10 @@ class DeploymentSpec:
     slo: str | None = option(None, group="sim", parse=_slo,
                              show="none; a capacity search uses tangram.harness.slo.DEFAULT_SLO")
     """service-level objective, e.g. 'ttft_p99=2s,tpot_p99=0.1s'"""
+    capacity_tol: float = option(0.08, group="sim", metavar="TOL")
+    """precision of a capacity search: it ends when a load that met the SLO and one that missed it are within
+    1 + TOL (0.08: the answer's bracket is 8% wide); 0.2 answers within 20% with fewer replays, 0.02 within 2% with
+    more"""
     target_rate: float | None = option(None, group="sim")
     """requests/s to provision for (a capacity search then finds the replicas needed, by simulating the cluster)"""
     accuracy_table: str | None = option(None, group="sim", metavar="TABLE_OR_MODEL",
@@ -168,8 +167,10 @@ class DeploymentSpec:
             raise ConfigError(f"--replicas must be >= 1, got {self.replicas}")
         if self.router not in ROUTERS:
             raise ConfigError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
-        _positive("--rate-scale", self.rate_scale)
-        _positive("--target-rate", self.target_rate)
+        for n, ok, what in _RANGES:  # (NaN fails each)
+            v = getattr(self, n)
+            if v is not None and not ok(v):
+                raise ConfigError(f"{OPTIONS[n].flag} {what}, got {v}")
         if not self.temperature >= 0:
             raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -290,6 +291,10 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
         raise
 
 
+_RANGES = (("rate_scale", lambda v: v > 0, "must be > 0"), ("target_rate", lambda v: v > 0, "must be > 0"),
+           ("capacity_tol", lambda v: 0.005 <= v <= 1, "must be in [0.005, 1] (the bracket's relative width)"))
+
+
 def _build(given: dict, where: dict, path: str | None, keyed: dict | None = None) -> DeploymentSpec:
     def blame(name: str, what: str, cli: str | None = None) -> ConfigError:
         """An error in option ``name``'s value: named as the config file's key at its line when the file gave it
@@ -314,6 +319,10 @@ def _build(given: dict, where: dict, path: str | None, keyed: dict | None = None
     if modes and len(modes) == 1:  # a config of one mode: the engine serves in it
         eng["mode"] = modes[0]
     kw = {s.name: vals[s.name] for s in SPEC_OPTIONS if s.name in vals}
+    for n, ok, what in _RANGES:  # (DeploymentSpec checks them too; here a file's value is blamed on its key)
+        v = kw.get(n)
+        if v is not None and not ok(v):
+            raise blame(n, f"{what}, got {v}", f"{OPTIONS[n].flag} {what}, got {v}")
     model = kw.pop("model", None) or get_model(OPTIONS["model"].default)
     if "heads_per_group" not in eng:  # the default H_p, or the largest divisor below it of a rank's KV heads
         eng["heads_per_group"] = default_heads_per_group(model, eng.get("tp", 1))  # SmolLM2: 3; Llama at tp 8: 1

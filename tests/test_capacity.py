@@ -549,6 +549,36 @@ def test_cli_search_reuses_the_run_at_the_trace_load(tmp_path):
     assert not meets_slo(simulate(tr.scaled(hi / base), _spec(), record_kv=False)[0], slo)
 
 
+def test_cli_capacity_tol_sets_the_brackets_width(tmp_path, capsys):
+    """--capacity-tol: the search stops once the met and missed loads are within 1 + TOL, so a coarse answer takes
+    at most the replays of the default 8 %, its bracket is at most 25 % wide and still straddles the default
+    answer; the tolerance is recorded in metrics.json. Out-of-range values are an error naming the flag before any
+    replay, and given without --capacity it is reported as unused, not silently dropped."""
+    tr = _overload_trace(n=30, rate=30.0, seed=5)
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    fine = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity", "--slo", "ttft_p99=5s", name="fine")
+    coarse = _cli(tmp_path, str(p), "--mode", "tangram", "--capacity", "--slo", "ttft_p99=5s", "--capacity-tol",
+                  "0.25", name="coarse")
+    f = json.loads((fine / "metrics.json").read_text())["tangram"]
+    c = json.loads((coarse / "metrics.json").read_text())["tangram"]
+    assert f["run"]["capacity_tol"] == 0.08 and c["run"]["capacity_tol"] == 0.25
+    lo, hi = c["capacity_bracket_rps"]
+    assert hi <= lo * 1.25 * (1 + 1e-5)
+    assert lo <= f["capacity_bracket_rps"][1] and hi >= f["capacity_bracket_rps"][0]  # both hold the one limit
+    assert c["capacity_replays"]["probe"] <= f["capacity_replays"]["probe"]
+    capsys.readouterr()
+    for bad in ("0", "-0.1", "nan", "inf", "1.5"):
+        with pytest.raises(SystemExit) as e:
+            main([str(p), "--mode", "tangram", "--capacity", "--capacity-tol", bad, "--out",
+                  str(tmp_path / "bad"), "--no-plots"])
+        assert e.value.code == 2
+        assert "--capacity-tol" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    _cli(tmp_path, str(p), "--mode", "tangram", "--capacity-tol", "0.25", name="plain")
+    assert "--capacity-tol only applies with --capacity: ignored" in capsys.readouterr().err
+
+
 def test_a_flat_slo_key_does_not_hide_the_rising_one():
     """Two SLO keys: TPOT using 70-80 % of its bound and rising slowly with load (more than TTFT uses below ~0.95 of
     the limit), TTFT a queue crossing 60 s at the limit. With the guess within 25 % the search still ends in at most

@@ -171,6 +171,11 @@ BAD_INPUTS = {
     "alpha_text_in_file": ([], '{"alpha": "two"}', 'c.json:1: alpha: expected a number, got "two"'),
     "alpha_nan_flag": (["--alpha", "nan"], None, "argument --alpha: expected a finite number, got 'nan'"),
     "seed_negative": (["--seed", "-1"], None, "--seed: expected an integer >= 0, got -1"),  # was numpy's traceback
+    # range checks of the deployment spec: a file's value named by its key (these read "--target-rate" before)
+    "target_rate_in_file": ([], '{\n "target_rate": -1\n}', "c.json:2: target_rate: must be > 0, got -1.0"),
+    "rate_scale_in_file": ([], '{"rate_scale": 0}', "c.json:1: rate_scale: must be > 0, got 0.0"),
+    "capacity_tol_in_file": ([], '{"capacity_tol": 2}', "c.json:1: capacity_tol: must be in [0.005, 1]"),
+    "capacity_tol_flag": (["--capacity-tol", "0"], None, "--capacity-tol must be in [0.005, 1]"),
 }
 
 

@@ -107,11 +107,23 @@ def test_tune_writes_a_config_tangram_sim_accepts(tmp_path, tiny_trace):
     (["--storage", "nosuchdb://x"], "--storage"),
     (["--model", "gpt-9"], "unknown model"),
     (["--out", "/proc/tangram-nope"], "--out /proc/tangram-nope: cannot write there"),
+    (["--capacity-tol", "3"], "--capacity-tol must be in [0.005, 1]"),
 ])
 def test_bad_input_one_line_exit_2(tmp_path, tiny_trace, args, needle):
     r = _tune([str(tiny_trace), "--out", str(tmp_path / "o"), "--objective-fast", *args])  # (a later --out wins)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_capacity_tol_reaches_the_trials_capacity_search(tmp_path, tiny_trace):
+    """--capacity-tol (the deployment spec's option, as tangram-sim's) sets the tolerance each trial's capacity
+    search ends at; default 0.08."""
+    from tangram.tuning.cli import _build, _parser
+
+    for extra, want in (([], 0.08), (["--capacity-tol", "0.2"], 0.2)):
+        args = _parser().parse_args([str(tiny_trace), "--out", str(tmp_path / "o"), *extra])
+        ev = _build(args)[0]
+        assert ev.capacity_tol == want
 
 
 def test_bad_trace_line_names_file_and_line(tmp_path):

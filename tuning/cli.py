@@ -24,7 +24,7 @@ DEFAULT_BOUND = 0.05
 def _parser() -> argparse.ArgumentParser:
     # the deployment the study tunes (the engine configuration is what it searches)
     p = spec_parser("tangram-tune", __doc__, ("model", "gpu", "profile", "seed", "trace", "tables", "slo",
-                                              "accuracy_table", "output"),
+                                              "capacity_tol", "accuracy_table", "output"),
                     skip=("rate_scale",), defaults={"out": "tangram-tune-out", "slo": DEFAULT_SLO}, config=False)
     p.add_argument("--trials", type=int, default=40, help="completed trials the study should hold (default 40)")
     p.add_argument("--storage", help="Optuna RDB URL (default sqlite:///OUT/study.db)")
@@ -102,7 +102,8 @@ def _build(args):
         raise ConfigError(f"--accuracy-floor: {acc_label}")
     ev = Evaluator(model, gpu, space, profile, trace, slo, seed=spec.seed, tables=tables,
                    objective="fast" if args.objective_fast else "capacity", fast_rate_scale=args.fast_rate_scale,
-                   capacity_start=args.capacity_start, capacity_iters=args.capacity_iters, accuracy=acc)
+                   capacity_start=args.capacity_start, capacity_iters=args.capacity_iters,
+                   capacity_tol=spec.capacity_tol, accuracy=acc)
     ev.accuracy_label = acc_label
     prof_path = spec_overrides(args).get("profile")
     setup = Setup(model.name, gpu.name, trace_path, slo_text, args.objective, float(args.overflow_bound), spec.seed,
