@@ -55,6 +55,33 @@ def test_azure_2023(tmp_path, capsys):
     assert rc == 2 and err.startswith(f"error: {DATA / 'azure_llm_2023_sample.csv'}:5: GeneratedTokens: 0 tokens")
 
 
+def test_import_refuses_outputs_it_cannot_or_must_not_write_before_reading(tmp_path, capsys, monkeypatch):
+    """-o over the input file replaced the raw trace with its import (the raw file's data lost); a folder, a
+    missing folder or a place where no file can be created (/proc, even for root) failed only after the import
+    had read the whole input. Each is now one line, exit 2, before the importer runs, and the input is intact."""
+    import tangram.traces.cli as trace_cli
+
+    src = tmp_path / "raw.csv"
+    src.write_bytes((DATA / "azure_llm_2023_sample.csv").read_bytes())
+    before = src.read_bytes()
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "link.csv").symlink_to(src)
+
+    def no_work(*a, **k):
+        raise AssertionError("imported before refusing the output")
+
+    monkeypatch.setattr(trace_cli, "import_trace", no_work)
+    for out, frag in ((src, "is the input file"), (tmp_path / "link.csv", "is the input file"),
+                      (tmp_path / "." / "raw.csv", "is the input file"), (tmp_path / "adir", "is a folder"),
+                      (tmp_path / "nope" / "t.jsonl", "no folder"), (Path("/proc/tangram-t.jsonl"), "cannot write")):
+        rc, _, err = _run_cli(["import", "azure", str(src), "-o", str(out)], capsys)
+        assert rc == 2 and frag in err and err.count("\n") == 1, (out, err)
+    assert src.read_bytes() == before
+    rc, _, err = _run_cli(["gen-mooncake", "--requests", "5", "--seed", "0", "-o", str(tmp_path / "g.jsonl"),
+                           "--truth", str(tmp_path / "g.jsonl")], capsys)
+    assert rc == 2 and "--truth and -o name the same file" in err and not (tmp_path / "g.jsonl").exists()
+
+
 def test_azure_2024_offsets_and_gzip(tmp_path):
     src = DATA / "azure_llm_2024_sample.csv"
     gz = tmp_path / "a.csv.gz"

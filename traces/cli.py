@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from tangram.cli import Parser, cli_main
+from tangram.errors import InputError
 
 from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
 from .format import Trace, save_trace
@@ -292,12 +296,38 @@ def _cmd_stats(a) -> int:
     return 0
 
 
+def _check_outputs(a) -> None:
+    """Before any work (an import of a public trace reads millions of rows): every file the command writes can be
+    written, and none is the file it reads (an import's ``-o`` over its input used to replace the raw trace)."""
+    outs = [x for x in (getattr(a, "output", None), getattr(a, "truth", None)) if x]
+    src = getattr(a, "input", None)
+    for o in outs:
+        p = Path(o)
+        if p.is_dir():
+            raise InputError(o, None, None, "is a folder; -o names the file to write")
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir():
+            raise InputError(o, None, None, f"cannot write trace: no folder {parent}")
+        try:  # (os.access says yes to root everywhere, /proc included: a file is tried)
+            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=parent)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            raise InputError(o, None, None, f"cannot write trace: {e.strerror or e}") from None
+        if src and p.exists() and Path(src).exists() and os.path.samefile(src, p):
+            raise InputError(o, None, None, "is the input file: writing it would replace the data being read; "
+                                            "choose another output")
+    if len(outs) == 2 and Path(outs[0]).resolve() == Path(outs[1]).resolve():
+        raise InputError(outs[1], None, None, "--truth and -o name the same file")
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if hasattr(a, "max_context"):
         a.max_context = _max_context(a)  # an unknown --model fails before any work
         a.model = None
+    _check_outputs(a)
     try:
         return {"check": _cmd_check, "gen": _cmd_gen, "gen-sessions": _cmd_gen_sessions, "gen-mooncake": _cmd_gen_mooncake, "import": _cmd_import,
                 "stats": _cmd_stats}[a.cmd](a)
