@@ -15,6 +15,8 @@ from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
 
 DEFAULT_OUT = "tangram-sim-out"
+OUTPUT_FILES = ("metrics.json", "requests.csv", "report.md", "throughput.png", "latency_cdf.png", "kv_memory.png",
+                "capacity.png")  # what a run writes into --out
 AUTO_JOBS_TURNS = 1000  # below this a worker's start-up (~0.6 s of imports) costs more than it saves
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
               "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "kv_utilization", "fragmentation",
@@ -139,6 +141,11 @@ def run(args) -> dict:
 
     spec = from_cli(args)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
+    for name in OUTPUT_FILES:  # nor may the results replace the trace or config they were computed from
+        for src, what in ((spec.trace, "the trace"), (getattr(args, "config", None), "the --config file")):
+            if src and (out / name).exists() and os.path.samefile(src, out / name):
+                raise ConfigError(f"--out {spec.out}: the results' {name} would replace {what} ({src}); choose "
+                                  f"another --out")
     jobs = parse_jobs(args.jobs)
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO

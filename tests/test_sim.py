@@ -208,6 +208,36 @@ def test_issue_bad_inputs_exit_2_with_one_line_before_any_work(tmp_path, capsys,
     assert not (tmp_path / "o").exists()
 
 
+def test_results_never_replace_their_trace_or_config(tmp_path, capsys):
+    """A trace named requests.csv (an Azure-format CSV, say) or a config named metrics.json inside --out: the run
+    would have overwritten its own input with its results. Refused before the run, the input intact; and every file
+    a run writes (plots and capacity included) is one of OUTPUT_FILES, the names this check guards."""
+    from tangram.sim.cli import OUTPUT_FILES
+
+    d = tmp_path / "d"
+    d.mkdir()
+    trace = d / "requests.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,300,10\n"
+                     "2023-11-16 18:15:47.10,200,8\n")
+    cfg = d / "metrics.json"
+    cfg.write_text('{"mode": "full"}')
+    before = trace.read_bytes(), cfg.read_bytes()
+    for argv, what in (([str(trace)], "the trace"), ([str(tmp_path / "t.jsonl"), "--config", str(cfg)],
+                                                     "the --config file")):
+        save_trace(_trace(2, seed=1), tmp_path / "t.jsonl")
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(d), "--no-plots"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"would replace {what}" in err and err.count("\n") == 1, err
+    assert (trace.read_bytes(), cfg.read_bytes()) == before
+    out = tmp_path / "all"
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "t.jsonl"), "--mode", "tangram,full", "--capacity", "--slo", "ttft_p99=1s", "--out",
+              str(out)])
+    assert e.value.code == 0
+    assert {p.name for p in out.iterdir()} <= set(OUTPUT_FILES)
+
+
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
     """--out where nothing can be written (a path under /proc) fails before simulating, not after."""
     good = tmp_path / "t.jsonl"
