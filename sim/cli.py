@@ -10,7 +10,7 @@ import math
 import os
 import sys
 
-from tangram.cli import cli_main, from_cli, output_dir, parse, spec_overrides, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, refuse_replacing_inputs, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
 
@@ -141,11 +141,9 @@ def run(args) -> dict:
 
     spec = from_cli(args)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
-    for name in OUTPUT_FILES:  # nor may the results replace the trace or config they were computed from
-        for src, what in ((spec.trace, "the trace"), (getattr(args, "config", None), "the --config file")):
-            if src and (out / name).exists() and os.path.samefile(src, out / name):
-                raise ConfigError(f"--out {spec.out}: the results' {name} would replace {what} ({src}); choose "
-                                  f"another --out")
+    # nor may the results replace the trace or config they are computed from
+    refuse_replacing_inputs(out, "--out", OUTPUT_FILES, {"the trace": spec.trace,
+                                                         "the --config file": getattr(args, "config", None)})
     jobs = parse_jobs(args.jobs)
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO

@@ -78,6 +78,19 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     return wrapper
 
 
+def refuse_replacing_inputs(out: Path, flag: str, writes, inputs: dict) -> None:
+    """Before any work: none of the files a tool writes into ``out`` (``writes``: their names) is one of its
+    ``inputs`` ({what it is: path}), e.g. a CSV trace called requests.csv inside --out."""
+    for name in writes:
+        dst = out / name
+        if not dst.exists():
+            continue
+        for what, src in inputs.items():
+            if src and Path(src).exists() and os.path.samefile(src, dst):
+                raise ConfigError(f"{flag} {out}: the results' {name} would replace {what} ({src}); choose "
+                                  f"another {flag}")
+
+
 def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """The output folder, created and checked writable now, before any work: a run that ends by failing to write
     its results (``--out afile/sub``, a read-only place) would throw away everything it computed."""

@@ -238,6 +238,24 @@ def test_results_never_replace_their_trace_or_config(tmp_path, capsys):
     assert {p.name for p in out.iterdir()} <= set(OUTPUT_FILES)
 
 
+def test_bench_results_never_replace_their_trace(tmp_path, capsys, monkeypatch):
+    """tangram-bench writes the same files (the GPU engine's run): the same refusal before any work."""
+    import tangram.engine.bench as bench
+
+    def no_work(*a, **k):
+        raise AssertionError("ran before refusing --out")
+
+    monkeypatch.setattr(bench, "run_mode", no_work)
+    d = tmp_path / "d"
+    d.mkdir()
+    save_trace(_trace(2, seed=1), d / "requests.csv")  # (our format, whatever the name)
+    with pytest.raises(SystemExit) as e:
+        bench.main([str(d / "requests.csv"), "--trace-format", "tangram", "--out", str(d), "--no-plots",
+                    "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "would replace the trace" in err, err
+
+
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
     """--out where nothing can be written (a path under /proc) fails before simulating, not after."""
     good = tmp_path / "t.jsonl"

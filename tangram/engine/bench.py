@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 
-from tangram.cli import cli_main, from_cli, output_dir, parse, spec_parser
+from tangram.cli import cli_main, from_cli, output_dir, parse, refuse_replacing_inputs, spec_parser
 from tangram.errors import ConfigError
 from tangram.planner import DECODE_ORDERS
 
 DEFAULT_OUT = "tangram-bench-out"
+OUTPUT_FILES = ("metrics.json", "requests.csv", "report.md", "throughput.png", "probe.json")  # what it writes to --out
 TABLE_COLS = ["completed", "rejected", "throughput_rps", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
               "tpot_p50_s", "tpot_p99_s", "e2e_p99_s", "peak_kv_gib", "preemptions", "session_evictions", "steps",
               "leak_ok"]
@@ -355,6 +356,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
 
         return run_bench(args, spec)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
+    refuse_replacing_inputs(out, "--out", OUTPUT_FILES, {"the trace": spec.trace,
+                                                         "the --config file": getattr(args, "config", None)})
     trace, modes = spec.load_trace(), spec.mode_list
     device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
