@@ -147,6 +147,27 @@ def test_n_jobs_spawns_workers_on_one_sqlite_study(tmp_path, tiny_trace):
     assert (out / "pareto.png").is_file()  # the default objective is the two-objective Pareto study
 
 
+def test_a_study_resumed_with_another_capacity_tol_is_refused(tmp_path):
+    """Trials whose capacity searches ended at different bracket widths do not mix in one study: the tolerance is
+    part of the setup (stored only when not the default, so a study made before the option resumes as before)."""
+    from tangram.errors import ConfigError
+    from tangram.tuning import study as st_mod
+
+    space = SearchSpace(heads_per_group=(1, 2, 4, 8))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    base = ("m", "g", "t", "", "pareto", 0.1, 0, False, None)
+    st_mod.open_study(url, "s", st_mod.Setup(*base, capacity_tol=0.2), None, create=True, space=space)
+    st_mod.open_study(url, "s", st_mod.Setup(*base, capacity_tol=0.2), None, create=True, space=space)
+    with pytest.raises(ConfigError, match="capacity_tol: stored 0.2 vs now None"):
+        st_mod.open_study(url, "s", st_mod.Setup(*base), None, create=True, space=space)
+    old = f"sqlite:///{tmp_path / 'old.db'}"  # a study stored before the key existed
+    study = st_mod.open_study(old, "s", st_mod.Setup(*base), None, create=True, space=space)
+    attrs = dict(study.user_attrs["setup"])
+    attrs.pop("capacity_tol")
+    study.set_user_attr("setup", attrs)
+    st_mod.open_study(old, "s", st_mod.Setup(*base), None, create=True, space=space)
+
+
 def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
     """Two SQLite workers can pop the same enqueued trial; the slower one's tell then finds it COMPLETE. The
     worker must carry on (the other stored the result) and still stop at n_trials; other errors propagate."""

@@ -103,6 +103,7 @@ class Setup:
     profile: str | None
     accuracy_floor: float | None = None  # minimum accuracy relative to the full cache's (measured table)
     accuracy_table: str | None = None  # the table the accuracy comes from (path), None: not measured
+    capacity_tol: float | None = None  # the capacity searches' bracket width; None: the default 0.08 (or no search)
 
     def as_attrs(self) -> dict:
         return dict(self.__dict__)
