@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tangram.cli import Parser
+from tangram.cli import Parser, check_at_least, cli_main, output_file
 from tangram.budgets import synthetic_profile
 from tangram.config import EngineConfig, get_model
 from tangram.paging import BlockTable, KVLayout, PagePool
@@ -118,6 +118,9 @@ def _time_runtime_plan(rng) -> float:
     return float(np.sum(ts) / np.sum(items))
 
 
+MIN_STEPS = 100  # per configuration: its first 20 (warm-up) are dropped, and the rest fit the features
+
+
 def fit(steps: int = 1500, seed: int = 0) -> dict:
     from scipy.optimize import nnls
 
@@ -144,12 +147,15 @@ def fit(steps: int = 1500, seed: int = 0) -> dict:
                                             "mean_step_s": float(y[keep].mean())}}
 
 
-def main(argv=None) -> None:
+@cli_main
+def main(argv=None) -> int:
     ap = Parser(prog="tangram-fit-host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(HOST_COEFFS_PATH))
     ap.add_argument("--steps", type=int, default=1500, help="scheduler steps per (mode, H_p) configuration")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    check_at_least(("--steps", a.steps, MIN_STEPS), ("--seed", a.seed, 0))
+    output_file(a.out)  # before the fit
     res = fit(a.steps, a.seed)
     res.update(command=f"python -m tangram.sim.fit_host --steps {a.steps} --seed {a.seed}",
                cpu=f"{platform.processor() or platform.machine()} ({platform.python_implementation()} "
@@ -157,6 +163,7 @@ def main(argv=None) -> None:
                date=dt.date.today().isoformat())
     Path(a.out).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     print(json.dumps(res, indent=1, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":

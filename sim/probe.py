@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from tangram.errors import ConfigError, InputError
-from tangram.cli import Parser, cli_main, parse
+from tangram.cli import Parser, cli_main, output_file, parse
 
 KIND = "tangram-probe"
 VERSION = 1
@@ -461,7 +461,8 @@ def _parser():
                                                           "(default %(default)s)")
     p.add_argument("--out", default="probe.json", help="probe JSON to write (default %(default)s)")
     p.add_argument("--budget-s", type=float, default=30.0, help="stop measuring after this many seconds")
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: tiny shapes, a protocol check)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto | cuda | cpu (cpu: tiny shapes, a protocol check)")
     p.add_argument("--tables", default="auto", help="tables folder to compare with (default: the device's family)")
     return p
 
@@ -472,6 +473,7 @@ def run(a) -> dict:
 
     if not a.budget_s > 0:
         raise ConfigError(f"--budget-s must be > 0, got {a.budget_s}")
+    output_file(a.out)  # before the measurement: a probe that cannot be written is lost
     models = [get_model(x.strip()) for x in a.model.split(",") if x.strip()]
     probe = run_probe(models, device=a.device, budget_s=a.budget_s,
                       command="tangram-probe " + " ".join(getattr(a, "_argv", [])))

@@ -107,6 +107,16 @@ def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     return p
 
 
+def output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """An output file's folder (:func:`output_dir`: created, checked writable) and that the file is not a folder,
+    now, before the measurement or fit that ends by writing it."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; {flag} names the file to write")
+    output_dir(p.parent if str(p.parent) else Path("."), flag=f"{flag} {path}: folder")
+    return p
+
+
 # --------------------------------------------------------------------------- generated options
 
 

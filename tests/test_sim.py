@@ -256,6 +256,32 @@ def test_bench_results_never_replace_their_trace(tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and "would replace the trace" in err, err
 
 
+@pytest.mark.parametrize("tool,argv,needle", [
+    ("probe", ["--out", "{tmp}"], "is a folder"),
+    ("probe", ["--out", "/proc/tangram-nope/p.json"], "cannot write there"),
+    ("fit_host", ["--out", "/proc/tangram-nope/h.json"], "cannot write there"),
+    ("fit_host", ["--steps", "-1"], "--steps must be >= 100"),
+    ("fit_host", ["--seed", "-1"], "--seed must be >= 0"),
+])
+def test_measuring_tools_check_their_inputs_and_output_before_measuring(tmp_path, capsys, monkeypatch, tool,
+                                                                           argv, needle):
+    """tangram-probe and tangram-fit-host measure for seconds to minutes, then write one file: an unwritable or
+    folder --out (a traceback after the measurement, the measurement lost) and a negative --steps (numpy's
+    IndexError) are one line and exit 2 before any measuring."""
+    import tangram.sim.fit_host as fit_host
+    import tangram.sim.probe as probe
+
+    def no_work(*a, **k):
+        raise AssertionError("measured before checking")
+
+    monkeypatch.setattr(probe, "run_probe", no_work)
+    monkeypatch.setattr(fit_host, "fit", no_work)
+    with pytest.raises(SystemExit) as e:
+        {"probe": probe.main, "fit_host": fit_host.main}[tool]([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+
+
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
     """--out where nothing can be written (a path under /proc) fails before simulating, not after."""
     good = tmp_path / "t.jsonl"
