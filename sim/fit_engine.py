@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-from tangram.cli import Parser, cli_main, from_cli, parse, spec_parser
+from tangram.cli import Parser, cli_main, from_cli, output_dir, output_file, parse, spec_parser
 from tangram.errors import ConfigError
 from tangram.spec import parse_modes
 
@@ -122,6 +122,16 @@ def _parser():
     return p
 
 
+def _check_outputs(a) -> None:
+    """The tables folder and the CSV / plans files a fit writes, checked (created) before any work."""
+    if getattr(a, "out_dir", None):
+        output_dir(a.out_dir, "--out-dir")
+    for flag in ("steps_csv", "plans"):
+        v = getattr(a, flag, None)
+        if v:
+            output_file(v, "--" + flag.replace("_", "-"))
+
+
 def run(a) -> dict:
     import pandas as pd
     import torch
@@ -131,6 +141,7 @@ def run(a) -> dict:
 
     from .tables import tables_dir_for
 
+    _check_outputs(a)  # before the engine runs the trace (minutes): what they end by writing must be writable
     if a.configs:  # (label, spec): each config under the command line's options
         runs = [(Path(c).stem, from_cli(a, config=c)) for c in a.configs]
     else:
@@ -272,6 +283,7 @@ def refit(argv: list[str]) -> dict:
                    help="with a steps CSV that has no 'tables' column: the config files its runs were (each run's "
                         "label is its file's name), for their page tables per row")
     a = parse(p, argv)
+    _check_outputs(a)
     if a.refit.endswith((".csv", ".csv.gz")):
         return refit_steps(a, argv)
     if a.configs:

@@ -262,12 +262,19 @@ def test_bench_results_never_replace_their_trace(tmp_path, capsys, monkeypatch):
     ("fit_host", ["--out", "/proc/tangram-nope/h.json"], "cannot write there"),
     ("fit_host", ["--steps", "-1"], "--steps must be >= 100"),
     ("fit_host", ["--seed", "-1"], "--seed must be >= 0"),
+    ("fit_engine", ["{trace}", "--out-dir", "/proc/tangram-nope"], "--out-dir /proc/tangram-nope: cannot write"),
+    ("fit_engine", ["{trace}", "--steps-csv", "{tmp}"], "is a folder"),
+    ("fit_engine", ["--refit", "x.csv", "--out-dir", "/proc/tangram-nope"], "cannot write there"),
+    ("profile", ["-o", "/proc/tangram-nope/p.npz"], "cannot write there"),
 ])
 def test_measuring_tools_check_their_inputs_and_output_before_measuring(tmp_path, capsys, monkeypatch, tool,
                                                                            argv, needle):
-    """tangram-probe and tangram-fit-host measure for seconds to minutes, then write one file: an unwritable or
-    folder --out (a traceback after the measurement, the measurement lost) and a negative --steps (numpy's
-    IndexError) are one line and exit 2 before any measuring."""
+    """tangram-probe, tangram-fit-host, tangram-fit-engine and tangram-profile measure for seconds to hours, then
+    write: an unwritable or folder output (a traceback or an error after the measurement, the measurement lost) and
+    a negative --steps (numpy's IndexError) are one line and exit 2 before any measuring."""
+    import tangram.engine.weights as weights
+    import tangram.profiles.cli as profile_cli
+    import tangram.sim.fit_engine as fit_engine
     import tangram.sim.fit_host as fit_host
     import tangram.sim.probe as probe
 
@@ -276,8 +283,12 @@ def test_measuring_tools_check_their_inputs_and_output_before_measuring(tmp_path
 
     monkeypatch.setattr(probe, "run_probe", no_work)
     monkeypatch.setattr(fit_host, "fit", no_work)
+    monkeypatch.setattr(weights, "load_model", no_work)  # the engine's and the profile pass's model
+    trace = tmp_path / "t.jsonl"
+    save_trace(_trace(2, seed=1), trace)
+    mains = {"probe": probe.main, "fit_host": fit_host.main, "fit_engine": fit_engine.main, "profile": profile_cli.main}
     with pytest.raises(SystemExit) as e:
-        {"probe": probe.main, "fit_host": fit_host.main}[tool]([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        mains[tool]([a.replace("{tmp}", str(tmp_path)).replace("{trace}", str(trace)) for a in argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
 

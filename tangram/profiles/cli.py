@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from tangram.errors import ConfigError, InputError
-from tangram.cli import Parser, check_at_least, cli_main
+from tangram.cli import Parser, check_at_least, cli_main, output_file
 
 
 def _methods(text: str) -> list[str]:
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = Path(out_path(m, sc, r))
                 if out.suffix not in (".npz", ".json"):
                     raise InputError(str(out), None, "-o", "profile file must end in .npz or .json")
+                output_file(out, "-o")  # before the pass over the model (minutes): its result must be writable
     import dataclasses
     import time
 
