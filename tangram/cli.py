@@ -39,7 +39,12 @@ _DEFAULTS = "spec_defaults_"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors and exit code 2, like every other bad input."""
+    """argparse with one-line errors and exit code 2, like every other bad input; no abbreviated flags (argparse
+    read tangram-mem's ``--mode tangram`` as ``--model tangram``: "unknown model 'tangram'")."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)

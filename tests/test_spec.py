@@ -117,7 +117,8 @@ def test_bad_values_are_located(tmp_path, capsys):
                          (["--rho", "nan"], "argument --rho: expected a finite number"),
                          (["--router", "random"], "argument --router: expected one of"),
                          (["--rho", "1.5"], "rho must be in (0, 1]"),
-                         (["--hp", "3"], "--hp 3 must divide llama-3.1-8b's 8 KV heads")):
+                         (["--hp", "3"], "--hp 3 must divide llama-3.1-8b's 8 KV heads"),
+                         (["--mod", "full"], "unrecognized arguments: --mod")):  # no abbreviations
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "o")])
         err = capsys.readouterr().err
