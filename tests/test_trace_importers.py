@@ -56,9 +56,9 @@ def test_azure_2023(tmp_path, capsys):
 
 
 def test_import_refuses_outputs_it_cannot_or_must_not_write_before_reading(tmp_path, capsys, monkeypatch):
-    """-o over the input file replaced the raw trace with its import (the raw file's data lost); a folder, a
-    missing folder or a place where no file can be created (/proc, even for root) failed only after the import
-    had read the whole input. Each is now one line, exit 2, before the importer runs, and the input is intact."""
+    """-o over the input file replaced the raw trace with its import (the raw file's data lost); a folder or a
+    place where no file can be created (/proc, even for root) failed only after the import had read the whole
+    input. Each is now one line, exit 2, before the importer runs, and the input is intact."""
     import tangram.traces.cli as trace_cli
 
     src = tmp_path / "raw.csv"
@@ -73,10 +73,13 @@ def test_import_refuses_outputs_it_cannot_or_must_not_write_before_reading(tmp_p
     monkeypatch.setattr(trace_cli, "import_trace", no_work)
     for out, frag in ((src, "is the input file"), (tmp_path / "link.csv", "is the input file"),
                       (tmp_path / "." / "raw.csv", "is the input file"), (tmp_path / "adir", "is a folder"),
-                      (tmp_path / "nope" / "t.jsonl", "no folder"), (Path("/proc/tangram-t.jsonl"), "cannot write")):
+                      (Path("/proc/tangram-t.jsonl"), "cannot write"), (Path("/proc/nope/t.jsonl"), "cannot write")):
         rc, _, err = _run_cli(["import", "azure", str(src), "-o", str(out)], capsys)
         assert rc == 2 and frag in err and err.count("\n") == 1, (out, err)
     assert src.read_bytes() == before
+    monkeypatch.undo()  # a missing folder is created, as tangram-sim's --out is
+    rc, _, _ = _run_cli(["import", "azure", str(src), "-o", str(tmp_path / "new" / "t.jsonl")], capsys)
+    assert rc == 0 and (tmp_path / "new" / "t.jsonl").is_file()
     rc, _, err = _run_cli(["gen-mooncake", "--requests", "5", "--seed", "0", "-o", str(tmp_path / "g.jsonl"),
                            "--truth", str(tmp_path / "g.jsonl")], capsys)
     assert rc == 2 and "--truth and -o name the same file" in err and not (tmp_path / "g.jsonl").exists()

@@ -9,10 +9,9 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
-from tangram.cli import Parser, cli_main
+from tangram.cli import Parser, cli_main, output_file
 from tangram.errors import InputError
 
 from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
@@ -298,27 +297,17 @@ def _cmd_stats(a) -> int:
 
 def _check_outputs(a) -> None:
     """Before any work (an import of a public trace reads millions of rows): every file the command writes can be
-    written, and none is the file it reads (an import's ``-o`` over its input used to replace the raw trace)."""
-    outs = [x for x in (getattr(a, "output", None), getattr(a, "truth", None)) if x]
+    written (:func:`tangram.cli.output_file`: its folder created, a file tried there, not a folder), and none is the
+    file it reads (an import's ``-o`` over its input used to replace the raw trace)."""
+    outs = [(x, flag) for x, flag in ((getattr(a, "output", None), "-o"), (getattr(a, "truth", None), "--truth")) if x]
     src = getattr(a, "input", None)
-    for o in outs:
-        p = Path(o)
-        if p.is_dir():
-            raise InputError(o, None, None, "is a folder; -o names the file to write")
-        parent = p.parent if str(p.parent) else Path(".")
-        if not parent.is_dir():
-            raise InputError(o, None, None, f"cannot write trace: no folder {parent}")
-        try:  # (os.access says yes to root everywhere, /proc included: a file is tried)
-            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=parent)
-            os.close(fd)
-            os.unlink(tmp)
-        except OSError as e:
-            raise InputError(o, None, None, f"cannot write trace: {e.strerror or e}") from None
+    for o, flag in outs:
+        p = output_file(o, flag)
         if src and p.exists() and Path(src).exists() and os.path.samefile(src, p):
             raise InputError(o, None, None, "is the input file: writing it would replace the data being read; "
                                             "choose another output")
-    if len(outs) == 2 and Path(outs[0]).resolve() == Path(outs[1]).resolve():
-        raise InputError(outs[1], None, None, "--truth and -o name the same file")
+    if len(outs) == 2 and Path(outs[0][0]).resolve() == Path(outs[1][0]).resolve():
+        raise InputError(outs[1][0], None, None, "--truth and -o name the same file")
 
 
 @cli_main
