@@ -158,7 +158,7 @@ def test_a_study_resumed_with_another_capacity_tol_is_refused(tmp_path):
     base = ("m", "g", "t", "", "pareto", 0.1, 0, False, None)
     st_mod.open_study(url, "s", st_mod.Setup(*base, capacity_tol=0.2), None, create=True, space=space)
     st_mod.open_study(url, "s", st_mod.Setup(*base, capacity_tol=0.2), None, create=True, space=space)
-    with pytest.raises(ConfigError, match="capacity_tol: stored 0.2 vs now None"):
+    with pytest.raises(ConfigError, match=r"capacity_tol: stored 0.2 vs now 0.08 \(the default\)"):
         st_mod.open_study(url, "s", st_mod.Setup(*base), None, create=True, space=space)
     old = f"sqlite:///{tmp_path / 'old.db'}"  # a study stored before the key existed
     study = st_mod.open_study(old, "s", st_mod.Setup(*base), None, create=True, space=space)

@@ -109,6 +109,9 @@ class Setup:
         return dict(self.__dict__)
 
 
+NONE_MEANS = {"capacity_tol": "0.08 (the default)"}  # Setup fields whose None is a default value
+
+
 def open_study(storage, name: str, setup: Setup, sampler, *, create: bool, space=None):
     """Create (or load) the study and check it was made with the same setup; enqueue the paper default first."""
     import optuna
@@ -129,7 +132,11 @@ def open_study(storage, name: str, setup: Setup, sampler, *, create: bool, space
             study.enqueue_trial(paper_default_params(space), user_attrs={"role": "paper_default"})
     elif stored is not None and any(stored.get(k) != v for k, v in setup.as_attrs().items()):
         # a key a study created before it existed is stored as missing, which equals its default None
-        diff = [f"{k}: stored {stored.get(k)!r} vs now {v!r}" for k, v in setup.as_attrs().items() if stored.get(k) != v]
+        def shown(k, v):  # what a None stands for, where it stands for a default
+            return f"{v!r}" if v is not None or k not in NONE_MEANS else NONE_MEANS[k]
+
+        diff = [f"{k}: stored {shown(k, stored.get(k))} vs now {shown(k, v)}" for k, v in setup.as_attrs().items()
+                if stored.get(k) != v]
         raise ConfigError(f"study {name!r} was created with a different setup ({'; '.join(diff)}); "
                           f"resume with the same options or use another --study name")
     return study
