@@ -168,6 +168,24 @@ def test_a_study_resumed_with_another_capacity_tol_is_refused(tmp_path):
     st_mod.open_study(old, "s", st_mod.Setup(*base), None, create=True, space=space)
 
 
+def test_best_config_carries_a_non_default_capacity_tol(tmp_path):
+    """The best configuration file reproduces the study's measurement with `tangram-sim --config F --capacity`: a
+    study searched at another bracket width writes it (the default stays implicit)."""
+    from tangram.spec import load
+    from tangram.tuning import study as st_mod
+
+    space = SearchSpace(heads_per_group=(1, 2, 4, 8))
+    params = {"heads_per_group": 4, "alpha": 2.0}
+    for tol, want in ((None, 0.08), (0.2, 0.2)):
+        setup = st_mod.Setup("llama-3.1-8b", "h100-80gb", "t", "ttft_p99=60s", "pareto", 0.05, 0, False, None,
+                             capacity_tol=tol)
+        d = st_mod.best_config_dict(params, space, setup, "auto")
+        assert ("capacity_tol" in d) == (tol is not None)
+        f = tmp_path / "best.json"
+        f.write_text(json.dumps(d))
+        assert load(f).capacity_tol == want
+
+
 def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
     """Two SQLite workers can pop the same enqueued trial; the slower one's tell then finds it COMPLETE. The
     worker must carry on (the other stored the result) and still stop at n_trials; other errors propagate."""

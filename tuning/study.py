@@ -310,6 +310,8 @@ def best_config_dict(params: dict, space: SearchSpace, setup: Setup, tables) -> 
         d["profile"] = setup.profile
     if setup.accuracy_table:
         d["accuracy_table"] = setup.accuracy_table
+    if getattr(setup, "capacity_tol", None) is not None:  # `tangram-sim --config F --capacity` searches alike
+        d["capacity_tol"] = setup.capacity_tol
     if tables not in ("auto", None):
         d["tables"] = str(tables)
     elif tables is None:
