@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-from tangram.cli import Parser, cli_main, from_cli, output_dir, output_file, parse, spec_parser
+from tangram.cli import Parser, cli_main, from_cli, output_file, parse, spec_parser, writable
 from tangram.errors import ConfigError
 from tangram.spec import parse_modes
 
@@ -125,7 +125,10 @@ def _parser():
 def _check_outputs(a) -> None:
     """The tables folder and the CSV / plans files a fit writes, checked (created) before any work."""
     if getattr(a, "out_dir", None):
-        output_dir(a.out_dir, "--out-dir")
+        d = Path(a.out_dir)
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"--out-dir {a.out_dir}: is a file, not a folder")
+        writable(d, "--out-dir", folder=True)
     for flag in ("steps_csv", "plans"):
         v = getattr(a, flag, None)
         if v:
@@ -240,6 +243,7 @@ def fit_and_save(df, model: str, num_layers: int, directory: Path, prov: dict, e
 def save_plans(path: str | Path, recorded: list[dict], model: str, prov: dict) -> None:
     """The engine runs' plans and measured seconds, with what builds each run's cost model (pickled: plans are
     numpy arrays and dataclasses of this package; read back only by the same package version line)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wb") as f:
         pickle.dump({"version": PLANS_VERSION, "model": model, "provenance": prov, "runs": recorded}, f,
                     protocol=pickle.HIGHEST_PROTOCOL)

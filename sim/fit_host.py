@@ -161,6 +161,7 @@ def main(argv=None) -> int:
                cpu=f"{platform.processor() or platform.machine()} ({platform.python_implementation()} "
                    f"{platform.python_version()}, numpy {np.__version__})",
                date=dt.date.today().isoformat())
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
     print(json.dumps(res, indent=1, sort_keys=True))
     return 0

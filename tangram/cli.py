@@ -112,14 +112,33 @@ def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     return p
 
 
+def writable(path: str | os.PathLike, flag: str = "--out", *, folder: bool = False) -> Path:
+    """Check, before any work and without creating anything, that a file (``folder``: files in a folder) can be
+    written at ``path``: the nearest folder that exists on the way is a folder and takes a file (a write is tried:
+    ``os.access`` says yes to root on read-only mounts and /proc). The writer creates the missing folders when it
+    writes; a run that fails for another reason leaves nothing behind."""
+    p = Path(path)
+    first = p if folder else (p.parent if str(p.parent) else Path("."))
+    for parent in (first, *first.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag} {path}: {parent} is a file, not a folder")
+            try:
+                with tempfile.TemporaryFile(dir=parent):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
+            return p
+    return p
+
+
 def output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """An output file's folder (:func:`output_dir`: created, checked writable) and that the file is not a folder,
-    now, before the measurement or fit that ends by writing it."""
+    """An output file that can be written (:func:`writable`) and is not a folder, checked before the measurement,
+    fit or import that ends by writing it."""
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {path}: is a folder; {flag} names the file to write")
-    output_dir(p.parent if str(p.parent) else Path("."), flag=f"{flag} {path}: folder")
-    return p
+    return writable(p, flag)
 
 
 # --------------------------------------------------------------------------- generated options

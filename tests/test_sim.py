@@ -258,14 +258,14 @@ def test_bench_results_never_replace_their_trace(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("tool,argv,needle", [
     ("probe", ["--out", "{tmp}"], "is a folder"),
-    ("probe", ["--out", "/proc/tangram-nope/p.json"], "cannot write there"),
-    ("fit_host", ["--out", "/proc/tangram-nope/h.json"], "cannot write there"),
+    ("probe", ["--out", "/proc/tangram-nope/p.json"], "cannot write in /proc"),
+    ("fit_host", ["--out", "/proc/tangram-nope/h.json"], "cannot write in /proc"),
     ("fit_host", ["--steps", "-1"], "--steps must be >= 100"),
     ("fit_host", ["--seed", "-1"], "--seed must be >= 0"),
-    ("fit_engine", ["{trace}", "--out-dir", "/proc/tangram-nope"], "--out-dir /proc/tangram-nope: cannot write"),
+    ("fit_engine", ["{trace}", "--out-dir", "/proc/tangram-nope"], "--out-dir /proc/tangram-nope: cannot write in"),
     ("fit_engine", ["{trace}", "--steps-csv", "{tmp}"], "is a folder"),
-    ("fit_engine", ["--refit", "x.csv", "--out-dir", "/proc/tangram-nope"], "cannot write there"),
-    ("profile", ["-o", "/proc/tangram-nope/p.npz"], "cannot write there"),
+    ("fit_engine", ["--refit", "x.csv", "--out-dir", "/proc/tangram-nope"], "cannot write in /proc"),
+    ("profile", ["-o", "/proc/tangram-nope/p.npz"], "cannot write in /proc"),
 ])
 def test_measuring_tools_check_their_inputs_and_output_before_measuring(tmp_path, capsys, monkeypatch, tool,
                                                                            argv, needle):

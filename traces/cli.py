@@ -220,7 +220,7 @@ def _cmd_gen(a) -> int:
                  turns=Dist.parse(a.turns, "--turns"), think_time=Dist.parse(a.think_time, "--think-time"),
                  output_tokens=Dist.parse(a.output_tokens, "--output-tokens"),
                  followup_tokens=Dist.parse(a.followup_tokens, "--followup-tokens"), mix=a.mix)
-    save_trace(t, a.output)
+    save_trace(t, _made(a.output))
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions")
     return 0
 
@@ -230,7 +230,7 @@ def _cmd_gen_sessions(a) -> int:
 
     t = fixed_sessions(a.sessions, turns=a.turns, first=a.first, later=a.later, out_tokens=a.out_tokens,
                        spread_s=a.spread_s, think_s=a.think_s, seed=a.seed)
-    save_trace(t, a.output)
+    save_trace(t, _made(a.output))
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions")
     return 0
 
@@ -239,11 +239,11 @@ def _cmd_gen_mooncake(a) -> int:
     from .mooncake_gen import generate_mooncake, truth_records, write_mooncake
 
     g = generate_mooncake(a.requests, a.seed, duration_s=a.duration)
-    write_mooncake(g.records, a.output)
+    write_mooncake(g.records, _made(a.output))
     if a.truth:
         from .format import _atomic_write
 
-        _atomic_write(a.truth, "".join(json.dumps(r) + "\n" for r in truth_records(g)).encode())
+        _atomic_write(_made(a.truth), "".join(json.dumps(r) + "\n" for r in truth_records(g)).encode())
     fc = g.first_child
     print(f"wrote {a.output}: {len(g.records)} requests over {g.records[-1]['timestamp'] / 1000:g} s, "
           f"{int((g.parent < 0).sum())} conversations, {int(fc.sum())} continuations, "
@@ -264,7 +264,7 @@ def _cmd_import(a) -> int:
         opts = dict(seed=a.seed, rate=a.rate, think_time=a.think_time, keep_text=a.keep_text, limit=a.limit,
                     progress=sys.stderr.isatty(), arrivals=a.arrivals)
     t = _windowed(import_trace(a.format, a.input, report=rep, **opts), a)
-    save_trace(t, a.output)
+    save_trace(t, _made(a.output))
     cont = sum(1 for x in t.turns if x.turn > 0)
     print(f"wrote {a.output}: {len(t)} turns in {t.num_sessions} sessions ({cont} continuations)")
     lines = rep.lines()
@@ -293,6 +293,14 @@ def _cmd_stats(a) -> int:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.to_string(float_format=lambda x: f"{x:.6g}"))
     return 0
+
+
+def _made(path: str) -> str:
+    """``path``, its folder created now that the work is done (:func:`_check_outputs` checked it could be)."""
+    parent = Path(path).parent
+    if str(parent):
+        parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _check_outputs(a) -> None:
