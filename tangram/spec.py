@@ -10,6 +10,7 @@ The config file is flat, the spec's options and EngineConfig's fields side by si
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,8 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
                     raise InputError(str(path), line, key, str(e)) from None
                 where[name] = "file"
                 keyed[name] = (key, line)
+    if path is not None:
+        _check_file_paths(str(path), given, where, keyed)
     try:
         return _build(given, where, str(path) if path is not None else None, keyed)
     except InputError:
@@ -356,6 +359,27 @@ def _build(given: dict, where: dict, path: str | None, keyed: dict | None = None
         profile, label = default_profile_labelled(model, engine.rho, engine.alpha, kw.get("seed", 0),
                                                   engine.score_method, engine.budget_scope)
     return DeploymentSpec(model, gpu, engine, profile, **kw, profile_label=label)
+
+
+PATH_OPTIONS = ("trace", "profile", "tables", "probe", "accuracy_table", "weights")  # options that may name a file
+
+
+def _check_file_paths(path: str, given: dict, where: dict, keyed: dict) -> None:
+    """A relative path in a config file is read from the working directory, as the same flag on the command line
+    is. When it is missing there but present beside the config file (the config was written for its own folder),
+    say so at the key's line rather than fail later with a bare "no such file"."""
+    base = Path(path).parent
+    for name in PATH_OPTIONS:
+        v = given.get(name)
+        if where.get(name) != "file" or not isinstance(v, str) or not v or Path(v).is_absolute() or Path(v).exists():
+            continue
+        beside = base / v
+        if beside.exists():
+            key, line = keyed[name]
+            raise InputError(path, line, key, f"{v!r} is not in the working directory ({Path.cwd()}); relative paths "
+                                              f"in a config file are read from there, as on the command line: it is "
+                                              f"beside the config file, so write {os.path.normpath(beside)!r} or run from "
+                                              f"{str(base)!r}")
 
 
 def _read_config(path: str) -> dict[str, tuple[Any, int | None]]:

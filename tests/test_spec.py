@@ -125,6 +125,28 @@ def test_bad_values_are_located(tmp_path, capsys):
         assert e.value.code == 2 and needle in err and err.count("\n") == 1, (argv, err)
 
 
+def test_a_config_paths_are_read_from_the_working_directory_and_a_miss_beside_it_is_explained(tmp_path,
+                                                                                                monkeypatch):
+    """A relative path in a config file is read from the working directory, as the flag is. A config written for its
+    own folder (the trace beside it, missing from the working directory) fails at its key's line saying where the
+    file is, not later with a bare "no such file"."""
+    from tangram.traces import save_trace
+    from tangram.traces.generate import generate
+
+    d = tmp_path / "cfgs"
+    d.mkdir()
+    save_trace(generate(2, "short", seed=0), tmp_path / "t.jsonl")
+    (d / "c.json").write_text('{\n "mode": "full",\n "trace": "../t.jsonl"\n}\n')
+    monkeypatch.chdir(d)
+    assert load("c.json").trace == "../t.jsonl"  # found from the working directory
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"c\.json:3: trace: '\.\./t\.jsonl' is not in the working directory .* "
+                                         r"write 't\.jsonl' or run from 'cfgs'"):
+        load("cfgs/c.json")
+    (d / "c.json").write_text('{"trace": "t.jsonl"}')  # present from here: nothing to say
+    assert load("cfgs/c.json").trace == "t.jsonl"
+
+
 def test_help_lists_each_option_once_with_its_docstring_and_default():
     text = _tools()["tangram-sim"].format_help()
     for s in ENGINE_OPTIONS:
