@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,6 +185,8 @@ def test_best_config_carries_a_non_default_capacity_tol(tmp_path):
         f = tmp_path / "best.json"
         f.write_text(json.dumps(d))
         assert load(f).capacity_tol == want
+    d = st_mod.best_config_dict(params, space, setup, "sim/tables/h100")  # a tables folder given relative
+    assert Path(d["tables"]).is_absolute()
 
 
 def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):

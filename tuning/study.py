@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from tangram.errors import ConfigError
 
@@ -313,7 +314,7 @@ def best_config_dict(params: dict, space: SearchSpace, setup: Setup, tables) -> 
     if getattr(setup, "capacity_tol", None) is not None:  # `tangram-sim --config F --capacity` searches alike
         d["capacity_tol"] = setup.capacity_tol
     if tables not in ("auto", None):
-        d["tables"] = str(tables)
+        d["tables"] = str(Path(tables).resolve())  # absolute, as the trace: the file works from any folder
     elif tables is None:
         d["tables"] = "none"
     d.update(eng)
