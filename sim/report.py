@@ -85,6 +85,12 @@ def _fmt(v) -> str:
     return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _tol_text(common: dict) -> str:
+    """The bracket's width as run (``--capacity-tol``), in percent."""
+    tol = common.get("capacity_tol")
+    return f"{100 * (tol if tol is not None else 0.08):g}%"
+
+
 def _capacity_section(metrics: dict, common: dict) -> list[str]:
     """Capacity search results: the limit and the bracket it lies in, whether the trace saturated the deployment,
     the simulated replicas for the target rate, and every probe (a probe stopped early once its SLO verdict was
@@ -93,7 +99,7 @@ def _capacity_section(metrics: dict, common: dict) -> list[str]:
     lines = ["## Capacity under the SLO", "", f"SLO: {slo}. The search scales the trace's session arrival rate until "
              "the SLO is met at one load and missed at another, then places replays where a queueing model of the "
              "passing ones predicts the limit; the limit lies in the bracket [met, missed], two replays of the whole "
-             "trace (docs/simulator.md, \"Capacity search\").", "",
+             f"trace at most {_tol_text(common)} apart (docs/simulator.md, \"Capacity search\").", "",
              "| mode | max_rate_rps | bracket (met, missed) rps | saturated | replicas_needed | probes |",
              "|---|---|---|---|---|---|"]
     for mode, m in metrics.items():

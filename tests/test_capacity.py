@@ -563,6 +563,8 @@ def test_cli_capacity_tol_sets_the_brackets_width(tmp_path, capsys):
     f = json.loads((fine / "metrics.json").read_text())["tangram"]
     c = json.loads((coarse / "metrics.json").read_text())["tangram"]
     assert f["run"]["capacity_tol"] == 0.08 and c["run"]["capacity_tol"] == 0.25
+    assert "at most 25% apart" in (coarse / "report.md").read_text()
+    assert "at most 8% apart" in (fine / "report.md").read_text()
     lo, hi = c["capacity_bracket_rps"]
     assert hi <= lo * 1.25 * (1 + 1e-5)
     assert lo <= f["capacity_bracket_rps"][1] and hi >= f["capacity_bracket_rps"][0]  # both hold the one limit
