@@ -87,8 +87,10 @@ def _fmt(v) -> str:
 
 def _tol_text(common: dict) -> str:
     """The bracket's width as run (``--capacity-tol``), in percent."""
+    from tangram.harness.capacity import DEFAULT_TOL
+
     tol = common.get("capacity_tol")
-    return f"{100 * (tol if tol is not None else 0.08):g}%"
+    return f"{100 * (tol if tol is not None else DEFAULT_TOL):g}%"
 
 
 def _capacity_section(metrics: dict, common: dict) -> list[str]:

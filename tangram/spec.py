@@ -20,6 +20,7 @@ from tangram.budgets import BudgetProfile
 from tangram.config import (MODE_ALIASES, MODES, EngineConfig, GPUConfig, ModelConfig, default_heads_per_group, get_gpu,
                             get_model)
 from tangram.errors import ConfigError, InputError
+from tangram.harness.capacity import DEFAULT_TOL
 from tangram.harness.cluster import ROUTERS
 from tangram.harness.slo import parse_slo
 from tangram.options import Spec, check, finish, option, options_of
@@ -135,7 +136,7 @@ class DeploymentSpec:
     slo: str | None = option(None, group="sim", parse=_slo,
                              show="none; a capacity search uses tangram.harness.slo.DEFAULT_SLO")
     """service-level objective, e.g. 'ttft_p99=2s,tpot_p99=0.1s'"""
-    capacity_tol: float = option(0.08, group="sim", metavar="TOL")
+    capacity_tol: float = option(DEFAULT_TOL, group="sim", metavar="TOL")
     """precision of a capacity search: it ends when a load that met the SLO and one that missed it are within
     1 + TOL (0.08: the answer's bracket is 8% wide); 0.2 answers within 20% with fewer replays, 0.02 within 2% with
     more"""

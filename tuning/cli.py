@@ -17,7 +17,6 @@ from pathlib import Path
 from tangram.cli import add_sweep, cli_main, from_cli, output_dir, parse, spec_overrides, spec_parser
 from tangram.errors import ConfigError
 from tangram.harness.slo import DEFAULT_SLO  # one definition for tangram-sim and tangram-tune
-from tangram.spec import OPTIONS
 
 DEFAULT_BOUND = 0.05
 
@@ -110,8 +109,7 @@ def _build(args):
     setup = Setup(model.name, gpu.name, trace_path, slo_text, args.objective, float(args.overflow_bound), spec.seed,
                   bool(args.objective_fast), str(Path(prof_path).resolve()) if prof_path else None,
                   args.accuracy_floor, str(Path(acc.table.path).resolve()) if acc is not None else None,
-                  None if args.objective_fast or spec.capacity_tol == OPTIONS["capacity_tol"].default
-                  else spec.capacity_tol)
+                  spec.capacity_tol)
     return ev, space, setup, spec
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from tangram.budgets import BudgetProfile, budget_ratios
 from tangram.config import GPUConfig, ModelConfig
+from tangram.harness.capacity import DEFAULT_TOL
 
 from .space import SearchSpace
 
@@ -70,7 +71,7 @@ class Evaluator:
     fast_rate_scale: float = 1.0
     capacity_start: float = 0.25
     capacity_iters: int = 5
-    capacity_tol: float = 0.08
+    capacity_tol: float = DEFAULT_TOL
     overflow_samples: int = 256
     accuracy: object = None  # tangram.profiles.accuracy.AccuracyModel, or None when not measured
     _fid: dict = field(default_factory=dict, repr=False)

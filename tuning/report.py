@@ -125,7 +125,6 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
     bm = best.user_attrs
     argv = [redact(a) if "://" in a else a for a in argv]
     gain = s["load_gain"]
-    tol = getattr(setup, "capacity_tol", None) or 0.08  # (None: the default)
     lines = [
         f"# tangram-tune: study `{s['study']}`", "",
         "Command:", "", "```", "tangram-tune " + shlex.join(argv), "```", "",
@@ -134,7 +133,7 @@ def _report_md(out: Path, s: dict, setup: Setup, best, base: dict, url: str, arg
         f"Setup: model {setup.model}, GPU {setup.gpu}, trace `{setup.trace}`, SLO `{setup.slo}`, objective "
         f"{setup.objective} (overflow bound {setup.overflow_bound:g}), seed {setup.seed}, "
         f"{'single simulation per trial (--objective-fast)' if setup.fast else 'capacity search per trial'}"
-        f"{'' if setup.fast else ' (bracket width %g)' % tol}.", "",
+        f"{'' if setup.fast else ' (bracket width %g)' % setup.capacity_tol}.", "",
         _VS.format(hp=s.get("paper_default_params", {}).get("heads_per_group", 4)), "",
         "| config | load (req/s) | overflow (weighted) | overflow (unweighted) | lost share | KV kept | "
         "accuracy (measured) | of full cache |", "|---|---|---|---|---|---|---|---|",

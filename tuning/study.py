@@ -13,10 +13,12 @@ import json
 import os
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from tangram.errors import ConfigError
+from tangram.harness.capacity import DEFAULT_TOL
 
 from .objective import Evaluator
 from .space import SearchSpace, paper_default_params
@@ -104,13 +106,18 @@ class Setup:
     profile: str | None
     accuracy_floor: float | None = None  # minimum accuracy relative to the full cache's (measured table)
     accuracy_table: str | None = None  # the table the accuracy comes from (path), None: not measured
-    capacity_tol: float | None = None  # the capacity searches' bracket width; None: the default 0.08 (or no search)
+    capacity_tol: float = DEFAULT_TOL  # the capacity searches' bracket width
 
     def as_attrs(self) -> dict:
         return dict(self.__dict__)
 
 
-NONE_MEANS = {"capacity_tol": "0.08 (the default)"}  # Setup fields whose None is a default value
+_SETUP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Setup) if f.default is not dataclasses.MISSING}
+
+
+def _stored(stored: dict, key: str):
+    """A stored setup's value; a key a study created before it existed is missing and holds the field's default."""
+    return stored[key] if key in stored else _SETUP_DEFAULTS.get(key)
 
 
 def open_study(storage, name: str, setup: Setup, sampler, *, create: bool, space=None):
@@ -131,13 +138,9 @@ def open_study(storage, name: str, setup: Setup, sampler, *, create: bool, space
         study.set_user_attr("setup", setup.as_attrs())
         if not study.trials:
             study.enqueue_trial(paper_default_params(space), user_attrs={"role": "paper_default"})
-    elif stored is not None and any(stored.get(k) != v for k, v in setup.as_attrs().items()):
-        # a key a study created before it existed is stored as missing, which equals its default None
-        def shown(k, v):  # what a None stands for, where it stands for a default
-            return f"{v!r}" if v is not None or k not in NONE_MEANS else NONE_MEANS[k]
-
-        diff = [f"{k}: stored {shown(k, stored.get(k))} vs now {shown(k, v)}" for k, v in setup.as_attrs().items()
-                if stored.get(k) != v]
+    elif stored is not None and any(_stored(stored, k) != v for k, v in setup.as_attrs().items()):
+        diff = [f"{k}: stored {_stored(stored, k)!r} vs now {v!r}" for k, v in setup.as_attrs().items()
+                if _stored(stored, k) != v]
         raise ConfigError(f"study {name!r} was created with a different setup ({'; '.join(diff)}); "
                           f"resume with the same options or use another --study name")
     return study
@@ -311,7 +314,7 @@ def best_config_dict(params: dict, space: SearchSpace, setup: Setup, tables) -> 
         d["profile"] = setup.profile
     if setup.accuracy_table:
         d["accuracy_table"] = setup.accuracy_table
-    if getattr(setup, "capacity_tol", None) is not None:  # `tangram-sim --config F --capacity` searches alike
+    if setup.capacity_tol != DEFAULT_TOL:  # `tangram-sim --config F --capacity` searches alike
         d["capacity_tol"] = setup.capacity_tol
     if tables not in ("auto", None):
         d["tables"] = str(Path(tables).resolve())  # absolute, as the trace: the file works from any folder

@@ -14,6 +14,7 @@ from tangram.errors import ConfigError
 from .slo import meets_slo, vacuous
 
 BURST_SPAN_S = 1e-6  # the "whole trace at once" probe: every session arrives within this span
+DEFAULT_TOL = 0.08  # the bracket's relative width (--capacity-tol)
 
 
 def offered_rps(trace) -> float:
@@ -128,7 +129,7 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
 
 
 def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float], *, iters: int = 7,
-                    tol: float = 0.08, start: float = 1.0, progress=None, known: dict | None = None) -> dict:
+                    tol: float = DEFAULT_TOL, start: float = 1.0, progress=None, known: dict | None = None) -> dict:
     """Highest arrival-rate scale meeting the SLO, as a bracket of two replays of the whole trace: one at a scale
     that met the SLO and one, at most ``1 + tol`` times higher, that missed it.
 
