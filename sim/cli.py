@@ -142,8 +142,8 @@ def run(args) -> dict:
     spec = from_cli(args)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
     # nor may the results replace the trace or config they are computed from
-    refuse_replacing_inputs(out, "--out", OUTPUT_FILES, {"the trace": spec.trace,
-                                                         "the --config file": getattr(args, "config", None)})
+    refuse_replacing_inputs([out / n for n in OUTPUT_FILES], "--out",
+                            {"the trace": spec.trace, "the --config file": getattr(args, "config", None)})
     jobs = parse_jobs(args.jobs)
     trace, modes = spec.load_trace(), spec.mode_list
     slo_default = bool(args.capacity and not spec.slo)  # the capacity search's documented default SLO

@@ -123,12 +123,9 @@ def _parser():
 
 
 def _check_outputs(a) -> None:
-    """The tables folder and the CSV / plans files a fit writes, checked (created) before any work."""
+    """The tables folder and the CSV / plans files a fit writes, checked before any work (nothing is created)."""
     if getattr(a, "out_dir", None):
-        d = Path(a.out_dir)
-        if d.exists() and not d.is_dir():
-            raise ConfigError(f"--out-dir {a.out_dir}: is a file, not a folder")
-        writable(d, "--out-dir", folder=True)
+        writable(a.out_dir, "--out-dir", folder=True)
     for flag in ("steps_csv", "plans"):
         v = getattr(a, flag, None)
         if v:

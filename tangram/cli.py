@@ -83,17 +83,15 @@ def cli_main(fn: Callable[..., int | None]) -> Callable[..., int]:
     return wrapper
 
 
-def refuse_replacing_inputs(out: Path, flag: str, writes, inputs: dict) -> None:
-    """Before any work: none of the files a tool writes into ``out`` (``writes``: their names) is one of its
-    ``inputs`` ({what it is: path}), e.g. a CSV trace called requests.csv inside --out."""
-    for name in writes:
-        dst = out / name
+def refuse_replacing_inputs(outputs, flag: str, inputs: dict) -> None:
+    """Before any work: none of the files a tool will write (``outputs``) is one of its ``inputs`` ({what it is:
+    path}), also through a link: a CSV trace called requests.csv inside --out, an import's -o over its input."""
+    for dst in map(Path, outputs):
         if not dst.exists():
             continue
         for what, src in inputs.items():
             if src and Path(src).exists() and os.path.samefile(src, dst):
-                raise ConfigError(f"{flag} {out}: the results' {name} would replace {what} ({src}); choose "
-                                  f"another {flag}")
+                raise ConfigError(f"{flag} {dst}: writing it would replace {what} ({src}); choose another {flag}")
 
 
 def output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:

@@ -379,8 +379,8 @@ def _check_file_paths(path: str, given: dict, where: dict, keyed: dict) -> None:
             key, line = keyed[name]
             raise InputError(path, line, key, f"{v!r} is not in the working directory ({Path.cwd()}); relative paths "
                                               f"in a config file are read from there, as on the command line: it is "
-                                              f"beside the config file, so write {os.path.normpath(beside)!r} or run from "
-                                              f"{str(base)!r}")
+                                              f"beside the config file, so write {os.path.normpath(beside)!r} or "
+                                              f"run from {str(base)!r}")
 
 
 def _read_config(path: str) -> dict[str, tuple[Any, int | None]]:

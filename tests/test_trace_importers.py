@@ -71,8 +71,8 @@ def test_import_refuses_outputs_it_cannot_or_must_not_write_before_reading(tmp_p
         raise AssertionError("imported before refusing the output")
 
     monkeypatch.setattr(trace_cli, "import_trace", no_work)
-    for out, frag in ((src, "is the input file"), (tmp_path / "link.csv", "is the input file"),
-                      (tmp_path / "." / "raw.csv", "is the input file"), (tmp_path / "adir", "is a folder"),
+    for out, frag in ((src, "would replace the input file"), (tmp_path / "link.csv", "would replace the input file"),
+                      (tmp_path / "." / "raw.csv", "would replace the input file"), (tmp_path / "adir", "is a folder"),
                       (Path("/proc/tangram-t.jsonl"), "cannot write"), (Path("/proc/nope/t.jsonl"), "cannot write")):
         rc, _, err = _run_cli(["import", "azure", str(src), "-o", str(out)], capsys)
         assert rc == 2 and frag in err and err.count("\n") == 1, (out, err)

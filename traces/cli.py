@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-from tangram.cli import Parser, cli_main, output_file
+from tangram.cli import Parser, cli_main, output_file, refuse_replacing_inputs
 from tangram.errors import InputError
 
 from .detect import FORMATS, TRACE_FORMATS, import_trace, read_trace
@@ -308,12 +307,8 @@ def _check_outputs(a) -> None:
     written (:func:`tangram.cli.output_file`: its folder created, a file tried there, not a folder), and none is the
     file it reads (an import's ``-o`` over its input used to replace the raw trace)."""
     outs = [(x, flag) for x, flag in ((getattr(a, "output", None), "-o"), (getattr(a, "truth", None), "--truth")) if x]
-    src = getattr(a, "input", None)
     for o, flag in outs:
-        p = output_file(o, flag)
-        if src and p.exists() and Path(src).exists() and os.path.samefile(src, p):
-            raise InputError(o, None, None, "is the input file: writing it would replace the data being read; "
-                                            "choose another output")
+        refuse_replacing_inputs([output_file(o, flag)], flag, {"the input file": getattr(a, "input", None)})
     if len(outs) == 2 and Path(outs[0][0]).resolve() == Path(outs[1][0]).resolve():
         raise InputError(outs[1][0], None, None, "--truth and -o name the same file")
 

@@ -356,8 +356,8 @@ def run(args, *, tp_rank0: bool = False) -> dict:
 
         return run_bench(args, spec)
     out = output_dir(spec.out)  # before any work: an unwritable --out must not throw a finished run away
-    refuse_replacing_inputs(out, "--out", OUTPUT_FILES, {"the trace": spec.trace,
-                                                         "the --config file": getattr(args, "config", None)})
+    refuse_replacing_inputs([out / n for n in OUTPUT_FILES], "--out",
+                            {"the trace": spec.trace, "the --config file": getattr(args, "config", None)})
     trace, modes = spec.load_trace(), spec.mode_list
     device, dtype = device_dtype(spec.device, spec.dtype)
     seed = spec.seed
