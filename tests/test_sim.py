@@ -293,6 +293,21 @@ def test_measuring_tools_check_their_inputs_and_output_before_measuring(tmp_path
     assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
 
 
+def test_bench_output_files_list_every_file_it_writes(tmp_path):
+    """tangram-bench's OUTPUT_FILES (what the guard above protects) covers every file a run writes: the GPU engine's
+    run on the CPU, random SmolLM2-shaped weights, two short sessions, plots on."""
+    import tangram.engine.bench as bench
+    from tangram.traces.generate import generate as gen
+
+    save_trace(gen(2, "short", seed=1, output_tokens="uniform:4:8"), tmp_path / "t.jsonl")
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit) as e:
+        bench.main([str(tmp_path / "t.jsonl"), "--device", "cpu", "--mode", "full", "--weights", "random",
+                    "--model", "smollm2-135m", "--out", str(out)])
+    assert e.value.code == 0
+    assert {p.name for p in out.iterdir()} <= set(bench.OUTPUT_FILES)
+
+
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path, capsys):
     """--out where nothing can be written (a path under /proc) fails before simulating, not after."""
     good = tmp_path / "t.jsonl"
