@@ -58,44 +58,95 @@ def _mode_capacity(trace, spec, mode: str, slo: dict, target, at_load: dict | No
                    progress=None) -> dict:
     """The capacity search of one mode, then the replicas a target rate needs (simulated clusters). ``at_load``: the
     mode's summary at the trace's own load (scale 1), a replay of the whole trace the search reuses."""
-    from .run import capacity_search, replicas_needed
+    from .run import capacity_search
 
     known = {1.0: at_load} if at_load is not None else None
     cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known,
                           tol=spec.capacity_tol)
     if target is not None:
-        if not cap["saturated"]:  # the whole trace at once met the SLO on spec.replicas: start there, search down
-            first = spec.replicas  # (its served rate is no capacity: target / it would start hundreds too high)
-        else:
-            per_replica = (cap["max_rate_rps"] or 0.0) / spec.replicas
-            first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
-        cap["replicas"] = replicas_needed(trace, spec, mode, slo, target, first, progress=progress,
-                                          fast_forward=fast_forward)
+        cap["replicas"] = _replicas(trace, spec, mode, slo, target, cap, fast_forward, progress)
     return cap
+
+
+def _replicas(trace, spec, mode: str, slo: dict, target: float, cap: dict, fast_forward: bool, progress=None):
+    """The replicas ``target`` requests/s need, searched from the capacity search's answer ``cap``."""
+    from .run import replicas_needed
+
+    if not cap["saturated"]:  # the whole trace at once met the SLO on spec.replicas: start there, search down
+        first = spec.replicas  # (its served rate is no capacity: target / it would start hundreds too high)
+    else:
+        per_replica = (cap["max_rate_rps"] or 0.0) / spec.replicas
+        first = math.ceil(target / per_replica - 1e-9) if per_replica > 0 else 1
+    return replicas_needed(trace, spec, mode, slo, target, first, progress=progress, fast_forward=fast_forward)
+
+
+_WORK: dict = {}  # a worker's trace, spec and fast-forward flag (set once by _init_worker, not sent per task)
+
+
+def _init_worker(trace, spec, fast_forward: bool) -> None:
+    _WORK.update(trace=trace, spec=spec, ff=fast_forward)
+
+
+def _task_run(mode: str):
+    return _mode_run(_WORK["trace"], _WORK["spec"], mode, _WORK["ff"])
+
+
+def _task_probe(mode: str, scale: float | None, slo: dict) -> dict:
+    from .run import probe
+
+    return probe(_WORK["trace"], _WORK["spec"], mode, slo, scale, fast_forward=_WORK["ff"])
+
+
+def _task_replicas(mode: str, slo: dict, target: float, cap: dict) -> dict:
+    return _replicas(_WORK["trace"], _WORK["spec"], mode, slo, target, cap, _WORK["ff"])
 
 
 def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=None):
     """Each mode's run at the trace's load and, with ``capacity`` = (slo, target), its capacity search, in ``jobs``
-    worker processes: a mode's search starts as soon as its run is done (no barrier between the two phases, so
-    neither worker waits for the other's last run)."""
+    worker processes. A search's replays are tasks of their own (:func:`tangram.harness.capacity.capacity_steps`
+    says where each goes), so the workers take the next replay of any mode whose search waits on none: no worker
+    idles while another runs a whole search to its end, and a mode's search starts as soon as its run is done.
+    The same results as one process: each search sees its own replays in its own order."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    runs, caps = {}, {}
-    with ProcessPoolExecutor(max_workers=min(jobs, len(modes))) as ex:
-        todo = {ex.submit(_mode_run, trace, spec, m, ff): ("run", m) for m in modes}
+    from tangram.harness.capacity import capacity_steps
+
+    runs, caps, searches = {}, {}, {}
+    slo, target = capacity if capacity is not None else (None, None)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(modes)), initializer=_init_worker,
+                             initargs=(trace, spec, ff)) as ex:
+        todo = {ex.submit(_task_run, m): ("run", m) for m in modes}
+
+        def advance(m: str, summ=None, first: bool = False) -> None:
+            """The mode's search takes ``summ`` (its last replay) and names its next replay, or ends."""
+            try:
+                scale = next(searches[m]) if first else searches[m].send(summ)
+            except StopIteration as stop:
+                caps[m] = stop.value
+                if target is not None:
+                    todo[ex.submit(_task_replicas, m, slo, target, caps[m])] = ("replicas", m)
+                elif bar is not None:
+                    bar.update(1)
+                return
+            todo[ex.submit(_task_probe, m, scale, slo)] = ("probe", m)
+
         while todo:
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
-            for f in done:
+            for f in sorted(done, key=lambda f: modes.index(todo[f][1])):  # (any order: the same results)
                 kind, m = todo.pop(f)
                 if kind == "run":
                     runs[m] = f.result()
+                    if bar is not None:
+                        bar.update(1)
                     if capacity is not None:
-                        todo[ex.submit(_mode_capacity, trace, spec, m, capacity[0], capacity[1], runs[m][0],
-                                       ff)] = ("cap", m)
+                        searches[m] = capacity_steps(trace, slo, known={1.0: runs[m][0]}, tol=spec.capacity_tol)
+                        advance(m, first=True)
+                elif kind == "probe":
+                    advance(m, f.result())
                 else:
-                    caps[m] = f.result()
-                if bar is not None:
-                    bar.update(1)
+                    caps[m]["replicas"] = f.result()
+                    if bar is not None:
+                        bar.update(1)
     return [runs[m] for m in modes], ([caps[m] for m in modes] if capacity is not None else None)
 
 

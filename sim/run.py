@@ -59,8 +59,17 @@ def capacity_search(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float
                     early_stop: bool = True, **kw) -> dict:
     """:func:`tangram.harness.capacity_search` with simulated replays (keyword arguments as there); each probe
     stops as soon as its SLO verdict is certain unless ``early_stop`` is False."""
-    return _search(trace, lambda t: simulate(t, spec, mode, record_kv=False, fast_forward=fast_forward,
-                                             stop_slo=slo if early_stop else None)[0], slo, **kw)
+    return _search(trace, lambda t: probe(t, spec, mode, slo, None, fast_forward=fast_forward,
+                                          early_stop=early_stop), slo, **kw)
+
+
+def probe(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float], scale: float | None, *,
+          fast_forward: bool = True, early_stop: bool = True) -> dict:
+    """One replay of a capacity search at ``scale`` (:func:`tangram.harness.capacity.capacity_steps` names it;
+    None: the trace as it is): its summary, stopped once the SLO is certain to be missed."""
+    t = trace if scale is None else trace.scaled(scale)
+    return simulate(t, spec, mode, record_kv=False, fast_forward=fast_forward,
+                    stop_slo=slo if early_stop else None)[0]
 
 
 def replicas_needed(trace, spec: DeploymentSpec, mode: str, slo: dict[str, float], target_rps: float, start: int,

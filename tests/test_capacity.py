@@ -296,6 +296,28 @@ def test_cli_auto_jobs_runs_the_modes_in_workers_with_the_same_files(tmp_path, m
     assert (a / "requests.csv").read_bytes() == (b / "requests.csv").read_bytes()
 
 
+def test_cli_capacity_in_workers_writes_the_files_of_one_process(tmp_path, monkeypatch):
+    """--capacity in worker processes, where each search's replays are tasks of their own taken by whichever worker
+    is free (modes interleaved), writes the same files as the searches run one after the other in this process:
+    each search sees its own replays in its own order. The --target-rate replica search runs as a task too."""
+    from tangram.sim import cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sim_cli, "AUTO_JOBS_TURNS", 10)
+    tr = generate(40, "short", seed=3, rate=4.0, turns="uniform:1:2", output_tokens="uniform:20:80")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    args = (str(p), "--mode", "tangram,full,uniform", "--capacity", "--slo", "ttft_p99=3s", "--target-rate", "20")
+    a = _cli(tmp_path, *args, "--jobs", "1", name="a")
+    b = _cli(tmp_path, *args, name="b")
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+    m = json.loads((b / "metrics.json").read_text())
+    for mode in ("tangram", "full", "uniform"):
+        rep = m[mode]["capacity_replays"]
+        assert m[mode]["capacity_saturated"] and rep["met"] >= 1 and rep["missed"] >= 1, rep
+        assert m[mode]["replicas_needed"] >= 2 and len(m[mode]["replicas_probes"]) >= 2
+
+
 def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
     """A capacity trial on a three-request trace with a loose SLO: the tuner records saturated=False and the load
     as the burst's served rate (a lower bound), not a capped rate from doubling."""

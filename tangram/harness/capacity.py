@@ -7,7 +7,7 @@ passes its cost-model replay, stopped early once the SLO is certain to be missed
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Generator
 
 from tangram.errors import ConfigError
 
@@ -130,12 +130,37 @@ def _next_scale(lo, hi: float, hi_far: bool, passes, guess, w: float, up: int, d
 
 def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float], *, iters: int = 7,
                     tol: float = DEFAULT_TOL, start: float = 1.0, progress=None, known: dict | None = None) -> dict:
-    """Highest arrival-rate scale meeting the SLO, as a bracket of two replays of the whole trace: one at a scale
-    that met the SLO and one, at most ``1 + tol`` times higher, that missed it.
+    """:func:`capacity_steps` with each replay run here, one after the other: ``run(scaled_trace)`` (the trace
+    itself for a trace with no arrival span). Keyword arguments as there; ``progress(1)`` after each replay."""
+    steps = capacity_steps(trace, slo, iters=iters, tol=tol, start=start, known=known)
+    return drive(steps, lambda scale: run(trace if scale is None else trace.scaled(scale)), progress)
 
-    ``run(scaled_trace)`` replays one load and returns its summary. ``known``: {scale: summary} of replays of the
-    whole trace already run by the caller (tangram-sim's run at the trace's own load, scale 1), used as probes
-    (marked "reused").
+
+def drive(steps: Generator, run: Callable[[object], dict], progress=None):
+    """Run a search generator (:func:`capacity_steps`) to its end: each scale it yields is replayed by ``run``
+    and the summary sent back; returns the generator's result."""
+    try:
+        scale = next(steps)
+        while True:
+            summ = run(scale)
+            if progress:
+                progress(1)
+            scale = steps.send(summ)
+    except StopIteration as stop:
+        return stop.value
+
+
+def capacity_steps(trace, slo: dict[str, float], *, iters: int = 7, tol: float = DEFAULT_TOL, start: float = 1.0,
+                   known: dict | None = None) -> Generator[float | None, dict, dict]:
+    """The capacity search as a generator: it yields the arrival-rate scale of each replay it needs (None: the trace
+    as it is) and is sent that replay's summary, so a caller can run the replays of several searches side by side
+    in worker processes (tangram-sim's modes) or one after the other (:func:`capacity_search`). Returns (as its
+    ``StopIteration`` value) the search's result.
+
+    The search: the highest arrival-rate scale meeting the SLO, as a bracket of two replays of the whole trace: one
+    at a scale that met the SLO and one, at most ``1 + tol`` times higher, that missed it. ``known``: {scale:
+    summary} of replays of the whole trace already run by the caller (tangram-sim's run at the trace's own load,
+    scale 1), used as probes (marked "reused").
 
     1. Saturation. If no replay has missed the SLO yet, the burst probe (every session arriving within
        :data:`BURST_SPAN_S`) does: if even that meets the SLO the trace is too small to saturate the deployment (no
@@ -159,10 +184,8 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
     arr = [t.arrival_s for t in trace.turns if t.turn == 0]
     span = max(arr) - min(arr)
     if span <= 0:  # every session at the same instant: there is no rate to scale
-        summ = run(trace)
+        summ = yield None
         good = meets_slo(summ, slo)
-        if progress:
-            progress(1)
         return {"max_rate_rps": None, "max_rate_scale": None, "bracket_rps": [None, None], "offered_rps": None,
                 "probes": [_probe_row(None, summ, good, "burst")], "saturated": not good, "lower_bound_rps": None,
                 "replays": _count([_probe_row(None, summ, good, "burst")]),
@@ -187,13 +210,11 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
             served["rps"] = summ.get("throughput_rps") or served["rps"]
         return good
 
-    def ok(scale: float) -> bool:
+    def ok(scale: float):  # a generator: ``good = yield from ok(scale)``
         if scale in cache:
             return cache[scale]
-        good = note(scale, run(trace.scaled(scale)), "burst" if scale == burst else "probe")
-        if progress:
-            progress(1)
-        return good
+        summ = yield scale
+        return note(scale, summ, "burst" if scale == burst else "probe")
 
     def result(lo, hi, **kw) -> dict:
         out = {"max_rate_rps": base * lo if lo is not None else None,
@@ -211,7 +232,7 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
     lo = max((s for s, g in cache.items() if g), default=None)
     hi = min((s for s, g in cache.items() if not g), default=None)
     if hi is None:
-        if ok(burst):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
+        if (yield from ok(burst)):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
             return result(None, None, saturated=False, lower_bound_rps=served["rps"] or None, max_rate_scale=None,
                           max_rate_rps=None, bracket_rps=[served["rps"] or None, None],
                           note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once meet "
@@ -229,7 +250,7 @@ def capacity_search(trace, run: Callable[[object], dict], slo: dict[str, float],
             break
         refining, bracketing = refining + bracketed, bracketing + (not bracketed)
         s = _next_scale(lo, hi, hi_far, passes, guess if lo is None and down == 0 else None, w, up, down)
-        if ok(s):
+        if (yield from ok(s)):
             lo, up, down = s, up + 1, 0
         else:
             hi, hi_far, up, down = s, False, 0, down + 1
