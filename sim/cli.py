@@ -111,7 +111,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
 
     from tangram.harness.capacity import capacity_steps
 
-    runs, caps, searches = {}, {}, {}
+    runs, caps, searches, replays = {}, {}, {}, [0]
     slo, target = capacity if capacity is not None else (None, None)
     with ProcessPoolExecutor(max_workers=min(jobs, len(modes)), initializer=_init_worker,
                              initargs=(trace, spec, ff)) as ex:
@@ -129,6 +129,9 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
                     bar.update(1)
                 return
             todo[ex.submit(_task_probe, m, scale, slo)] = ("probe", m)
+            if bar is not None:
+                replays[0] += 1
+                bar.set_postfix_str(f"{replays[0]} capacity replays", refresh=False)
 
         while todo:
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
