@@ -232,7 +232,7 @@ def capacity_steps(trace, slo: dict[str, float], *, iters: int = 7, tol: float =
     lo = max((s for s, g in cache.items() if g), default=None)
     hi = min((s for s, g in cache.items() if not g), default=None)
     if hi is None:
-        if (yield from ok(burst)):  # the whole trace at once meets the SLO: no load this trace can offer finds the limit
+        if (yield from ok(burst)):  # the whole trace at once meets the SLO: no load it can offer finds the limit
             return result(None, None, saturated=False, lower_bound_rps=served["rps"] or None, max_rate_scale=None,
                           max_rate_rps=None, bracket_rps=[served["rps"] or None, None],
                           note=f"trace too small to saturate: all {len(trace.turns)} requests arriving at once meet "
