@@ -91,6 +91,16 @@ def run_cli(python: str, args: list[str], *, cwd: str | None = None, timeout: fl
             "load_after": round(os.getloadavg()[0], 2), "timed_out": rc is None}
 
 
+def _idle_cpu_s(res: dict, jobs, turns: int) -> float:
+    """CPU-seconds a six-mode ``--capacity`` run's worker processes left unused: workers x wall - CPU (the time
+    spent with fewer busy workers than there are, start-up and the main process's writing included); the workers
+    as tangram-sim resolves ``--jobs`` for a trace of ``turns`` turns."""
+    from tangram.sim.cli import parse_jobs, resolve_jobs
+
+    n = resolve_jobs(parse_jobs(jobs), len(MODES), turns)
+    return round(n * res["wall_s"] - res["cpu_s"], 2)
+
+
 def _metrics(out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
@@ -217,21 +227,24 @@ def _answers(out: Path) -> dict:
             for k, v in _metrics(out).items() if isinstance(v, dict) and "capacity_probes" in v}
 
 
-def alternate_capacity(me: str, base: str, trace: Path, work: Path, rounds: int, jobs: str) -> dict:
+def alternate_capacity(me: str, base: str, trace: Path, work: Path, rounds: int, jobs: str, turns: int) -> dict:
     """``rounds`` x (this checkout's ``--capacity`` run of all six modes, then the baseline's), one process at a time:
-    wall and CPU seconds of each, the ratios (baseline / this) of their medians, the replays each search ran (met /
-    missed, summed over the modes) and whether both found the same answers."""
+    wall and CPU seconds of each and the CPU its workers left unused (:func:`_idle_cpu_s`), the ratios (baseline /
+    this) of their medians, the replays each search ran (met / missed, summed over the modes) and whether both
+    found the same answers."""
     runs: dict[str, list[dict]] = {"this": [], "baseline": []}
     for r in range(rounds):
         for who, py in (("this", me), ("baseline", base)):
             out = work / f"cap_{who}_{r}"
             res = run_cli(py, [str(trace), "--capacity", "--jobs", str(jobs), "--no-plots", "--out", str(out)])
+            res["idle_cpu_s"] = _idle_cpu_s(res, jobs, turns)
             ans = _answers(out)
             res["met"] = sum(v["replays"]["met"] for v in ans.values())
             res["missed"] = sum(v["replays"]["missed"] for v in ans.values())
             res["answers"] = {k: [v["max_rate_rps"], v["bracket_rps"]] for k, v in ans.items()}
             runs[who].append(res)
-    med = {who: {k: float(np.median([x[k] for x in v])) for k in ("wall_s", "cpu_s")} for who, v in runs.items()}
+    med = {who: {k: float(np.median([x[k] for x in v])) for k in ("wall_s", "cpu_s", "idle_cpu_s")}
+           for who, v in runs.items()}
     return {"runs": runs, "median": med,
             "speedup_median_wall": round(med["baseline"]["wall_s"] / med["this"]["wall_s"], 3),
             "speedup_median_cpu": round(med["baseline"]["cpu_s"] / med["this"]["cpu_s"], 3),
@@ -313,12 +326,14 @@ def main(argv=None) -> None:
             print(json.dumps({"baseline_single": res["baseline_single"],
                               "requests_csv_identical": res["requests_csv_identical"]}), flush=True)
     if "capacity" in what and a.alternate and a.baseline_python:
-        res["alternate_capacity"] = alternate_capacity(me, a.baseline_python, trace, work, a.alternate, a.jobs)
+        res["alternate_capacity"] = alternate_capacity(me, a.baseline_python, trace, work, a.alternate, a.jobs,
+                                                       len(tr.turns))
         print(json.dumps({"alternate_capacity": res["alternate_capacity"]}), flush=True)
         what.discard("capacity")
     if "capacity" in what:
         out = work / "capacity"
         r = run_cli(me, [str(trace), "--capacity", "--jobs", str(a.jobs), "--no-plots", "--out", str(out)])
+        r["idle_cpu_s"] = _idle_cpu_s(r, a.jobs, len(tr.turns))
         m = _metrics(out)
         # per mode: the answer, and the replays behind it by kind ("probe": a replay of the whole trace the search
         # ran, met or missed, some stopped early by the SLO monitor; "burst": the whole trace at once; "reused": the
