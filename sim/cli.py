@@ -58,14 +58,22 @@ def _mode_capacity(trace, spec, mode: str, slo: dict, target, at_load: dict | No
                    progress=None) -> dict:
     """The capacity search of one mode, then the replicas a target rate needs (simulated clusters). ``at_load``: the
     mode's summary at the trace's own load (scale 1), a replay of the whole trace the search reuses."""
-    from .run import capacity_search
+    from tangram.harness.capacity import drive
 
-    known = {1.0: at_load} if at_load is not None else None
-    cap = capacity_search(trace, spec, mode, slo, progress=progress, fast_forward=fast_forward, known=known,
-                          tol=spec.capacity_tol)
+    from .run import probe
+
+    cap = drive(_search(trace, spec, slo, at_load),
+                lambda scale: probe(trace, spec, mode, slo, scale, fast_forward=fast_forward), progress)
     if target is not None:
         cap["replicas"] = _replicas(trace, spec, mode, slo, target, cap, fast_forward, progress)
     return cap
+
+
+def _search(trace, spec, slo: dict, at_load: dict | None):
+    """A mode's capacity search (:func:`tangram.harness.capacity.capacity_steps`), reusing ``at_load``."""
+    from tangram.harness.capacity import capacity_steps
+
+    return capacity_steps(trace, slo, known={1.0: at_load} if at_load is not None else None, tol=spec.capacity_tol)
 
 
 def _replicas(trace, spec, mode: str, slo: dict, target: float, cap: dict, fast_forward: bool, progress=None):
@@ -109,8 +117,6 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     The same results as one process: each search sees its own replays in its own order."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-    from tangram.harness.capacity import capacity_steps
-
     runs, caps, searches, replays = {}, {}, {}, [0]
     slo, target = capacity if capacity is not None else (None, None)
     with ProcessPoolExecutor(max_workers=min(jobs, len(modes)), initializer=_init_worker,
@@ -135,14 +141,14 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
 
         while todo:
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
-            for f in sorted(done, key=lambda f: modes.index(todo[f][1])):  # (any order: the same results)
+            for f in done:  # (in any order: each search sees only its own replays)
                 kind, m = todo.pop(f)
                 if kind == "run":
                     runs[m] = f.result()
                     if bar is not None:
                         bar.update(1)
                     if capacity is not None:
-                        searches[m] = capacity_steps(trace, slo, known={1.0: runs[m][0]}, tol=spec.capacity_tol)
+                        searches[m] = _search(trace, spec, slo, runs[m][0])
                         advance(m, first=True)
                 elif kind == "probe":
                     advance(m, f.result())
