@@ -195,3 +195,25 @@ def test_default_profile_registry(tmp_path):
     assert prof.synthetic and "synthetic" in label and "seed 3" in label
     prof, label = default_profile(get_model("llama-3.1-8b"), 0.25, 2.0, 3, "ada-snapkv", "uniform")
     assert prof.scope == "uniform" and np.allclose(prof.B, 0.25) and "uniform" in label
+
+
+def test_rescale_to_a_mean_is_exact():
+    """The closed form against a root-finder per row: mean of min(1, s r) = rho, random rows and targets, with rows
+    whose largest ratios saturate and rho = 1 (every head kept whole)."""
+    from scipy.optimize import brentq
+
+    from tangram.budgets import _rescale_layer_mean
+    rng = np.random.default_rng()
+    for _ in range(20):
+        n, H = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        r = np.clip(rng.uniform(0, 1, (n, H)) ** rng.uniform(0.5, 4), 1e-3, 1.0)
+        rho = rng.uniform(0.01, 1.0, (n, 1))
+        rho[0] = 1.0 if rng.random() < 0.3 else rho[0]
+        out = _rescale_layer_mean(r, rho)
+        assert out.shape == r.shape and np.all((out > 0) & (out <= 1))
+        for i in range(n):
+            f = lambda s, i=i: np.minimum(1.0, r[i] * s).mean() - rho[i, 0]
+            s = brentq(f, 0.0, 2.0 / r[i].min(), xtol=1e-15, rtol=1e-15) if rho[i, 0] < 1 else 1.0 / r[i].min()
+            np.testing.assert_allclose(out[i], np.clip(np.minimum(1.0, r[i] * s), 1e-4, 1.0), rtol=1e-9, atol=1e-12)
+            if (r[i] * s >= 1e-4).all():  # (the floor of 1e-4 raises the mean of rows scaled below it)
+                np.testing.assert_allclose(out[i].mean(), rho[i, 0], rtol=1e-12)

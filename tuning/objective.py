@@ -34,8 +34,8 @@ from tangram.harness.capacity import DEFAULT_TOL
 from .space import SearchSpace
 
 
-# a draw rescaled to its layer's target (budgets._rescale_layer_mean, a 30-step bisection) sits on B only to ~1e-6
-# relative; a share of 1e-5 of a head's tokens is below one token for any context under 100K
+# a draw that sits on B overflows it only by rounding (budgets._rescale_layer_mean is exact): a margin of 1e-5
+# of a head's tokens, below one token for any context under 100K, keeps rounding from counting as overflow
 OVERFLOW_TOL = 1e-5
 
 
