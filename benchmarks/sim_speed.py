@@ -97,7 +97,7 @@ def _idle_cpu_s(res: dict, jobs, turns: int) -> float:
     as tangram-sim resolves ``--jobs`` for a trace of ``turns`` turns."""
     from tangram.sim.cli import parse_jobs, resolve_jobs
 
-    n = resolve_jobs(parse_jobs(jobs), len(MODES), turns)
+    n = resolve_jobs(parse_jobs(jobs), len(MODES), turns, capacity=True)
     return round(n * res["wall_s"] - res["cpu_s"], 2)
 
 

@@ -12,7 +12,7 @@ import sys
 
 from tangram.cli import cli_main, from_cli, output_dir, parse, refuse_replacing_inputs, spec_overrides, spec_parser
 from tangram.errors import ConfigError
-from tangram.harness.slo import DEFAULT_SLO, slo_text, slo_verdict, verdict_line
+from tangram.harness.slo import DEFAULT_SLO, meets_slo, slo_text, slo_verdict, verdict_line
 
 DEFAULT_OUT = "tangram-sim-out"
 OUTPUT_FILES = ("metrics.json", "requests.csv", "report.md", "throughput.png", "latency_cdf.png", "kv_memory.png",
@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
                    f"--slo (default SLO '{DEFAULT_SLO}')")
     p.add_argument("--jobs", default="auto", metavar="N|auto",
                    help="worker processes for the modes (their runs and capacity searches); default auto: one per "
-                        f"mode up to the CPUs this process may use, when the trace has >= {AUTO_JOBS_TURNS} turns "
-                        "(a small trace runs in this process). The results are the same for any N")
+                        "mode (with --capacity two: a search's next replay may run ahead on an idle worker) up to the "
+                        f"CPUs this process may use, when the trace has >= {AUTO_JOBS_TURNS} turns (a small trace "
+                        "runs in this process). The results are the same for any N")
     p.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                    help="step every decode step one by one (the reference path; same results, slower)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -109,54 +110,160 @@ def _task_replicas(mode: str, slo: dict, target: float, cap: dict) -> dict:
     return _replicas(_WORK["trace"], _WORK["spec"], mode, slo, target, cap, _WORK["ff"])
 
 
+_MISSED = {"completed": 0, "stopped_early": True}  # what a search is told of a replay assumed to miss (run ahead)
+AHEAD_DEPTH = 3  # replays a search is followed ahead of the one it waits on, at most
+
+
+def _ahead_chain(trace, spec, slo: dict, at_load: dict | None, sent: list, done: dict) -> list[float]:
+    """The replays a mode's search would ask for after the one it waits on, if each one not yet run missed the SLO
+    (those run ahead and done, ``done``: {scale: summary}, as they came out), in order; at most
+    :data:`AHEAD_DEPTH`, fewer where it would end. A miss tells the search nothing but that it missed (a summary's
+    numbers are only reported), so the chain is exact as far as the replays do miss, as most do on the way down to
+    the limit. The search is rebuilt from the summaries it was sent (``sent``): it is deterministic in them, and
+    rebuilding it runs no replay."""
+    steps, chain = _search(trace, spec, slo, at_load), []
+    try:
+        next(steps)
+        for summ in sent:
+            steps.send(summ)
+        nxt = steps.send(_MISSED)  # (its answer to the replay it waits on)
+        while len(chain) < AHEAD_DEPTH:
+            if nxt not in done:
+                chain.append(nxt)
+            nxt = steps.send(done.get(nxt, _MISSED))
+    except StopIteration:
+        pass
+    return chain
+
+
+def _descending(sent: list, slo: dict) -> bool:
+    """Whether a search is on its way down to the limit: its own replays so far all missed the SLO (one at least).
+    Its next replay is then a step below the last miss and misses more often than not; before its first replay,
+    or once one has met the SLO (the search then brackets the limit), a replay run ahead is a coin toss."""
+    return bool(sent) and not any(meets_slo(s, slo) for s in sent)
+
+
 def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=None):
     """Each mode's run at the trace's load and, with ``capacity`` = (slo, target), its capacity search, in ``jobs``
     worker processes. A search's replays are tasks of their own (:func:`tangram.harness.capacity.capacity_steps`
     says where each goes), so the workers take the next replay of any mode whose search waits on none: no worker
     idles while another runs a whole search to its end, and a mode's search starts as soon as its run is done.
-    The same results as one process: each search sees its own replays in its own order."""
+
+    A worker that would idle (every search waiting on a replay in flight, the last searches of a run) runs a
+    replay ahead: the one a search on its way down to the limit (:func:`_descending`) asks for next if its pending
+    replay misses the SLO (:func:`_ahead_chain`). When the search does ask for it, it gets that replay's summary (or waits on it in
+    flight); otherwise the replay is dropped, having used only a worker that had nothing to do. The searches
+    descend on the limit through misses, so this mostly turns a chain of replays into pairs run side by side.
+    The same results as one process: each search sees its own replays, each one the replay of its scale, in its
+    own order."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     runs, caps, searches, replays = {}, {}, {}, [0]
+    sent: dict[str, list] = {}  # the summaries each search was sent, in order (to rebuild it: _ahead_chain)
+    waits: dict[str, float] = {}  # the scale each search waits on
+    ahead: dict[tuple, object] = {}  # (mode, scale) -> a replay run ahead: its future, or its summary once done
+    used = [0, 0]  # replays run ahead: asked for by their search, run in all
     slo, target = capacity if capacity is not None else (None, None)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(modes)), initializer=_init_worker,
-                             initargs=(trace, spec, ff)) as ex:
-        todo = {ex.submit(_task_run, m): ("run", m) for m in modes}
+    workers = jobs
+    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(trace, spec, ff)) as ex:
+        todo = {ex.submit(_task_run, m): ("run", m, None) for m in modes}
+
+        def postfix() -> None:
+            if bar is not None:
+                extra = f" ({used[0]} of {used[1]} run ahead)" if used[1] else ""
+                bar.set_postfix_str(f"{replays[0]} capacity replays{extra}", refresh=False)
 
         def advance(m: str, summ=None, first: bool = False) -> None:
             """The mode's search takes ``summ`` (its last replay) and names its next replay, or ends."""
-            try:
-                scale = next(searches[m]) if first else searches[m].send(summ)
-            except StopIteration as stop:
-                caps[m] = stop.value
-                if target is not None:
-                    todo[ex.submit(_task_replicas, m, slo, target, caps[m])] = ("replicas", m)
-                elif bar is not None:
-                    bar.update(1)
-                return
-            todo[ex.submit(_task_probe, m, scale, slo)] = ("probe", m)
-            if bar is not None:
+            while True:
+                try:
+                    if first:
+                        scale, first = next(searches[m]), False
+                    else:
+                        sent[m].append(summ)
+                        scale = searches[m].send(summ)
+                except StopIteration as stop:
+                    waits.pop(m, None)
+                    caps[m] = stop.value
+                    if target is not None:
+                        todo[ex.submit(_task_replicas, m, slo, target, caps[m])] = ("replicas", m, None)
+                    elif bar is not None:
+                        bar.update(1)
+                    return
+                waits[m] = scale
                 replays[0] += 1
-                bar.set_postfix_str(f"{replays[0]} capacity replays", refresh=False)
+                got = ahead.pop((m, scale), None)
+                if got is None:
+                    todo[ex.submit(_task_probe, m, scale, slo)] = ("probe", m, scale)
+                elif isinstance(got, dict):  # run ahead and done: the search goes on at once
+                    used[0] += 1
+                    summ = got
+                    continue
+                else:  # run ahead, still in flight: it is the search's replay now
+                    used[0] += 1
+                    todo[got] = ("probe", m, scale)
+                postfix()
+                return
 
-        while todo:
+        def run_ahead() -> None:
+            """Give idle workers the replays the waiting searches would ask for next after misses, the searches
+            with the fewest replays ahead first."""
+            while len(todo) < workers:
+                picks = []
+                for m in waits:
+                    if not _descending(sent[m], slo):
+                        continue
+                    done = {x: v for (k, x), v in ahead.items() if k == m and isinstance(v, dict)}
+                    chain = _ahead_chain(trace, spec, slo, runs[m][0], sent[m], done)
+                    free = [x for x in chain if (m, x) not in ahead]
+                    if free:
+                        picks.append((len(chain) - len(free), m, free[0]))
+                if not picks:
+                    return
+                _, m, nxt = min(picks, key=lambda p: p[0])
+                fut = ex.submit(_task_probe, m, nxt, slo)
+                ahead[(m, nxt)] = fut
+                todo[fut] = ("ahead", m, nxt)
+                used[1] += 1
+                postfix()
+
+        while any(kind != "ahead" for kind, _, _ in todo.values()):  # (what is left ahead, no search asks for)
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
             for f in done:  # (in any order: each search sees only its own replays)
-                kind, m = todo.pop(f)
+                kind, m, scale = todo.pop(f)
                 if kind == "run":
                     runs[m] = f.result()
                     if bar is not None:
                         bar.update(1)
                     if capacity is not None:
-                        searches[m] = _search(trace, spec, slo, runs[m][0])
+                        searches[m], sent[m] = _search(trace, spec, slo, runs[m][0]), []
                         advance(m, first=True)
                 elif kind == "probe":
+                    waits.pop(m, None)
                     advance(m, f.result())
+                elif kind == "ahead":
+                    ahead[(m, scale)] = f.result()  # kept until its search asks for it (or the searches end)
                 else:
                     caps[m]["replicas"] = f.result()
                     if bar is not None:
                         bar.update(1)
+            if capacity is not None:
+                run_ahead()
+        if not all(f.cancel() or f.done() for f in todo):  # replays run ahead that no search asked for
+            _stop_workers(ex)
+    if used[1]:
+        print(f"capacity: {used[1]} replays run ahead on idle workers, {used[0]} of them used", file=sys.stderr)
     return [runs[m] for m in modes], ([caps[m] for m in modes] if capacity is not None else None)
+
+
+def _stop_workers(ex) -> None:
+    """End a process pool's workers now, in the middle of their tasks (only replays nobody waits for are left)."""
+    stop = getattr(ex, "terminate_workers", None)  # Python >= 3.14
+    if stop is not None:
+        stop()
+        return
+    for proc in list((getattr(ex, "_processes", None) or {}).values()):
+        proc.terminate()
 
 
 def usable_cpus() -> int:
@@ -180,12 +287,14 @@ def parse_jobs(jobs) -> int | None:
     return n
 
 
-def resolve_jobs(jobs: int | None, modes: int, turns: int) -> int:
+def resolve_jobs(jobs: int | None, modes: int, turns: int, capacity: bool = False) -> int:
     """Worker processes for ``modes`` modes: ``jobs`` (:func:`parse_jobs`; None: one per mode up to
     :func:`usable_cpus`, none for a trace under :data:`AUTO_JOBS_TURNS` turns), never more than the modes (a mode's
-    capacity search waits for its own run). 1: everything in this process."""
-    n = jobs if jobs is not None else (usable_cpus() if turns >= AUTO_JOBS_TURNS else 1)
-    return max(1, min(n, modes))
+    capacity search waits for its own run), or with ``capacity`` twice the modes (a search's next replay can run
+    ahead of the one it waits on: :func:`_runs_then_searches`). 1: everything in this process."""
+    most = modes * (2 if capacity else 1)
+    n = jobs if jobs is not None else (min(usable_cpus(), most) if turns >= AUTO_JOBS_TURNS else 1)
+    return max(1, min(n, most))
 
 
 def run(args) -> dict:
@@ -213,7 +322,7 @@ def run(args) -> dict:
         print(f"note: {' and '.join(unused)} only {verb} with --capacity: ignored", file=sys.stderr)
     slo = spec.slo_targets(DEFAULT_SLO if args.capacity else None)
     accuracy, accuracy_label = AccuracyModel.for_run(spec.model.name, spec.profile, spec.accuracy_table)
-    jobs = resolve_jobs(jobs, len(modes), len(trace.turns))
+    jobs = resolve_jobs(jobs, len(modes), len(trace.turns), args.capacity)
     ff = args.fast_forward
     # what `tangram-trace check` would warn about, for the model this run serves (a raw public file comes here
     # without passing through check: an importer that failed to split sessions shows up now, not as odd results)

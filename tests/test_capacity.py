@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -316,6 +317,43 @@ def test_cli_capacity_in_workers_writes_the_files_of_one_process(tmp_path, monke
         rep = m[mode]["capacity_replays"]
         assert m[mode]["capacity_saturated"] and rep["met"] >= 1 and rep["missed"] >= 1, rep
         assert m[mode]["replicas_needed"] >= 2 and len(m[mode]["replicas_probes"]) >= 2
+
+
+def test_cli_capacity_runs_replays_ahead_on_idle_workers(tmp_path, monkeypatch, capsys):
+    """One mode on two workers (auto with --capacity: twice the modes): while its search waits on a replay, the
+    other worker runs the replay the search asks for next if that one misses. The files are those of one process (a replay run ahead is the replay of its
+    scale, whenever it runs), some replays run ahead are used, and one no search asks for does not keep the tool
+    alive. The chain run ahead follows misses, and the summaries of replays already run ahead where known."""
+    from tangram.sim import cli as sim_cli
+
+    monkeypatch.setattr(sim_cli, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(sim_cli, "AUTO_JOBS_TURNS", 10)
+    tr = generate(40, "short", seed=3, rate=4.0, turns="uniform:1:2", output_tokens="uniform:20:80")
+    p = tmp_path / "t.jsonl"
+    save_trace(tr, p)
+    args = (str(p), "--mode", "tangram", "--capacity", "--slo", "ttft_p99=1s")  # two misses, then a pass
+    assert sim_cli.resolve_jobs(None, 1, 40, capacity=True) == 2  # one mode's search: the replay it waits on, one ahead
+    a = _cli(tmp_path, *args, "--jobs", "1", name="a")
+    assert "run ahead" not in capsys.readouterr().err  # one process: nothing idles
+    b = _cli(tmp_path, *args, name="b")
+    assert (a / "metrics.json").read_bytes() == (b / "metrics.json").read_bytes()
+    got = re.search(r"capacity: (\d+) replays run ahead on idle workers, (\d+) of them used", capsys.readouterr().err)
+    assert got and int(got[1]) >= 1 and int(got[2]) >= 1, got
+
+    # the chain itself: after a miss the search steps down, and a replay known to have met ends the descent
+    slo = {"ttft_p99": 3.0}
+    spec = type("S", (), {"capacity_tol": 0.08})()
+    at_load = {"completed": 40, "ttft_p99_s": 9.0, "throughput_rps": 3.0}
+    first = sim_cli._search(tr, spec, slo, at_load)
+    pending = next(first)
+    chain = sim_cli._ahead_chain(tr, spec, slo, at_load, [], {})
+    assert len(chain) == sim_cli.AHEAD_DEPTH and pending not in chain and chain == sorted(chain, reverse=True)
+    assert first.send(sim_cli._MISSED) == chain[0]  # what the search asks for after a miss
+    # a replay run ahead and done that met the SLO one step under the pending one's miss ends the search
+    assert sim_cli._ahead_chain(tr, spec, slo, at_load, [], {chain[0]: {"completed": 40, "ttft_p99_s": 1.0}}) == []
+    # one that missed: the chain goes on below it
+    after = sim_cli._ahead_chain(tr, spec, slo, at_load, [], {chain[0]: {"completed": 40, "ttft_p99_s": 4.0}})
+    assert after[:2] == chain[1:] and len(after) == sim_cli.AHEAD_DEPTH
 
 
 def test_tuner_trial_on_a_trace_too_small_records_unsaturated():
