@@ -80,6 +80,8 @@ class BudgetProfile:
     provenance: dict = field(default_factory=dict)
     n_samples: int = 0
     scope: str = "per-layer"  # the budget scope the retention samples were taken under (SCOPES)
+    # chunk_retention's last draws, {(seed, key, start): [L, H]}: a replay draws a third of its chunks again soon after
+    _drawn: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -144,10 +146,17 @@ class BudgetProfile:
         ``dynamic`` run's reclaim, and with it its preemptions, match between them (separate streams gave the
         simulator 15 preemptions where the engine had 7 on the validation trace, a 10% throughput miss)."""
         rids, starts = np.asarray(rids, dtype=np.int64), np.asarray(starts, dtype=np.int64)
-        z = np.zeros((rids.size,) + self.shape)
-        for i, (rid, st) in enumerate(zip(rids.tolist(), starts.tolist())):  # one row per prefill chunk in the step
-            z[i] = np.random.default_rng([int(seed), rid, st]).standard_normal(self.shape)
-        return self._retention(z)
+        keys = [(int(seed), rid, st) for rid, st in zip(rids.tolist(), starts.tolist())]  # a row per chunk
+        drawn = self._drawn
+        new = [k for k in dict.fromkeys(keys) if k not in drawn]
+        if new:  # (each row's ratios depend on its own draw alone: rows drawn together or apart are the same)
+            r = self._retention(np.stack([np.random.default_rng(list(k)).standard_normal(self.shape) for k in new]))
+            for k, x in zip(new, r):
+                drawn[k] = x
+        out = np.stack([drawn[k] for k in keys]) if keys else np.zeros((0,) + self.shape)
+        while len(drawn) > 1024:  # the oldest first (the repeats come within a few hundred chunks)
+            del drawn[next(iter(drawn))]
+        return out
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path) -> Path:

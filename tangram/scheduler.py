@@ -638,13 +638,13 @@ class Scheduler:
         Admitting only beyond this headroom keeps a new turn from being preempted by an older turn's next chunk
         (with whole uncompressed chunks allocated in ``dynamic`` mode, that churn otherwise dominates).
         """
-        pre = [r for r in self.running if not r.decoding]
+        pre = self._partition()[3]  # (the running turns still prefilling: kept, not a pass over the batch)
         if not pre:
             return 0
         rows = np.fromiter((r.row for r in pre), dtype=np.int64, count=len(pre))
-        c = np.fromiter((self._chunk_len(r.prompt - r.prefilled, int(self.ctx[r.row]), r.cuts) for r in pre),
-                        dtype=np.int64, count=len(pre))
-        tl = self.layout.table_lens(self.head_lens[rows] + self._keep(c))
+        ctx = self.ctx[rows].tolist()
+        keep = np.stack([self._keep_one(self._chunk_len(r.prompt - r.prefilled, x, r.cuts)) for r, x in zip(pre, ctx)])
+        tl = self.layout.table_lens(self.head_lens[rows] + keep)
         return int(self.bt.pages_needed(rows, tl).sum())
 
     def _decode_table_lens(self, rows: np.ndarray) -> np.ndarray:
@@ -740,10 +740,12 @@ class Scheduler:
         upper = before + keep  # global: keep == c, the over-allocation
         tl = self.layout.table_lens(upper)[None]
         if not self.engine.reserve_exact:
-            need = int(self.bt.pages_needed(np.array([row]), tl).sum())
+            rows = np.array([row])
+            need_t = self.bt.pages_needed(rows, tl)
+            need = int(need_t.sum())
             if need > self.pool.n_free and not self._make_room(need, keep_sid=req.sid, preempt_after=req.seq):
                 return 0
-            self.bt.ensure(np.array([row]), tl)
+            self.bt.ensure(rows, tl, need_t)  # (making room frees others' pages, never this row's)
         self.bt.lens[row] = tl[0]
         if self.retention != "global":
             self.head_lens[row] = upper
