@@ -320,10 +320,11 @@ def test_cli_capacity_in_workers_writes_the_files_of_one_process(tmp_path, monke
 
 
 def test_cli_capacity_runs_replays_ahead_on_idle_workers(tmp_path, monkeypatch, capsys):
-    """One mode on two workers (auto with --capacity: twice the modes): while its search waits on a replay, the
-    other worker runs the replay the search asks for next if that one misses. The files are those of one process (a replay run ahead is the replay of its
-    scale, whenever it runs), some replays run ahead are used, and one no search asks for does not keep the tool
-    alive. The chain run ahead follows misses, and the summaries of replays already run ahead where known."""
+    """One mode on two workers (auto with --capacity: twice the modes): while its search, on its way down, waits on
+    a replay, the other worker runs the replay the search asks for next if that one misses. The files are those of
+    one process (a replay run ahead is the replay of its scale, whenever it runs), some replays run ahead are used,
+    and one no search asks for does not keep the tool alive. The chain run ahead follows misses, and the summaries
+    of replays already run ahead where known."""
     from tangram.sim import cli as sim_cli
 
     monkeypatch.setattr(sim_cli, "usable_cpus", lambda: 2)
