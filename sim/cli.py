@@ -149,19 +149,16 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     says where each goes), so the workers take the next replay of any mode whose search waits on none: no worker
     idles while another runs a whole search to its end, and a mode's search starts as soon as its run is done.
 
-    The tasks wait in a queue of this process, not the pool's, handed to a worker as one frees: the replays of a
-    search on its way down to the limit first (:func:`_descending`; its chain of cheap misses, left to the end,
-    would run alone), then the rest in the order they came.
-
     A worker that would idle (every search waiting on a replay in flight, the last searches of a run) runs a
     replay ahead: the one a search on its way down to the limit (:func:`_descending`) asks for next if its
     pending replay misses the SLO (:func:`_ahead_chain`). When the search does ask for it, it gets that replay's
     summary (or waits on it in flight); otherwise the replay is dropped, having used only a worker that had
-    nothing to do. Such a search descends through misses, so this turns its chain of replays into pairs.
+    nothing to do. Such a search descends through misses, so this turns its chain of replays into pairs (and the
+    tasks are taken in the order they come: a chain of cheap misses left to the end, run in pairs, fills the
+    workers' last minutes better than replays that meet the SLO, which a queue putting the descents first left
+    there, measured slower).
     The same results as one process: each search sees its own replays, each one the replay of its scale, in its
     own order."""
-    import heapq
-    import itertools
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     runs, caps, searches, replays = {}, {}, {}, [0]
@@ -172,23 +169,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     slo, target = capacity if capacity is not None else (None, None)
     workers = jobs
     with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(trace, spec, ff)) as ex:
-        todo: dict = {}  # in flight: future -> (kind, mode, scale)
-        count = itertools.count()
-        queue: list = []  # waiting for a worker: (order, seq, kind, mode, scale, fn, args); a heap
-
-        def enqueue(kind: str, m: str, scale, fn, *args) -> None:
-            # a search on its way down first: its chain of cheap misses would otherwise end up last, alone
-            first = kind == "probe" and _descending(sent[m], slo)
-            heapq.heappush(queue, (0 if first else 1, next(count), kind, m, scale, fn, args))
-
-        def dispatch() -> None:
-            while queue and len(todo) < workers:
-                _, _, kind, m, scale, fn, args = heapq.heappop(queue)
-                todo[ex.submit(fn, *args)] = (kind, m, scale)
-
-        for m in modes:
-            enqueue("run", m, None, _task_run, m)
-        dispatch()
+        todo = {ex.submit(_task_run, m): ("run", m, None) for m in modes}
 
         def postfix() -> None:
             if bar is not None:
@@ -208,7 +189,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
                     waits.pop(m, None)
                     caps[m] = stop.value
                     if target is not None:
-                        enqueue("replicas", m, None, _task_replicas, m, slo, target, caps[m])
+                        todo[ex.submit(_task_replicas, m, slo, target, caps[m])] = ("replicas", m, None)
                     elif bar is not None:
                         bar.update(1)
                     return
@@ -216,7 +197,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
                 replays[0] += 1
                 got = ahead.pop((m, scale), None)
                 if got is None:
-                    enqueue("probe", m, scale, _task_probe, m, scale, slo)
+                    todo[ex.submit(_task_probe, m, scale, slo)] = ("probe", m, scale)
                 elif isinstance(got, dict):  # run ahead and done: the search goes on at once
                     used[0] += 1
                     summ = got
@@ -249,7 +230,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
                 used[1] += 1
                 postfix()
 
-        while queue or any(kind != "ahead" for kind, _, _ in todo.values()):  # (left ahead: no search asks for)
+        while any(kind != "ahead" for kind, _, _ in todo.values()):  # (what is left ahead, no search asks for)
             done, _ = wait(todo, return_when=FIRST_COMPLETED)
             for f in done:  # (in any order: each search sees only its own replays)
                 kind, m, scale = todo.pop(f)
@@ -269,7 +250,6 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
                     caps[m]["replicas"] = f.result()
                     if bar is not None:
                         bar.update(1)
-            dispatch()
             if capacity is not None:
                 run_ahead()
         if not all(f.cancel() or f.done() for f in todo):  # replays run ahead that no search asked for
