@@ -153,10 +153,9 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     replay ahead: the one a search on its way down to the limit (:func:`_descending`) asks for next if its
     pending replay misses the SLO (:func:`_ahead_chain`). When the search does ask for it, it gets that replay's
     summary (or waits on it in flight); otherwise the replay is dropped, having used only a worker that had
-    nothing to do. Such a search descends through misses, so this turns its chain of replays into pairs (and the
-    tasks are taken in the order they come: a chain of cheap misses left to the end, run in pairs, fills the
-    workers' last minutes better than replays that meet the SLO, which a queue putting the descents first left
-    there, measured slower).
+    nothing to do. Such a search descends through misses, so this turns its chain of replays into pairs. Tasks
+    are taken in the order they come (putting descents first left the long replays that meet the SLO for the end:
+    slower, reports/traces).
     The same results as one process: each search sees its own replays, each one the replay of its scale, in its
     own order."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -167,8 +166,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
     ahead: dict[tuple, object] = {}  # (mode, scale) -> a replay run ahead: its future, or its summary once done
     used = [0, 0]  # replays run ahead: asked for by their search, run in all
     slo, target = capacity if capacity is not None else (None, None)
-    workers = jobs
-    with ProcessPoolExecutor(max_workers=workers, initializer=_init_worker, initargs=(trace, spec, ff)) as ex:
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(trace, spec, ff)) as ex:
         todo = {ex.submit(_task_run, m): ("run", m, None) for m in modes}
 
         def postfix() -> None:
@@ -211,7 +209,7 @@ def _runs_then_searches(trace, spec, modes, ff: bool, capacity, jobs: int, bar=N
         def run_ahead() -> None:
             """Give idle workers the replays the waiting searches would ask for next after misses, the searches
             with the fewest replays ahead first."""
-            while len(todo) < workers:
+            while len(todo) < jobs:
                 picks = []
                 for m in waits:
                     if not _descending(sent[m], slo):
@@ -296,7 +294,7 @@ def resolve_jobs(jobs: int | None, modes: int, turns: int, capacity: bool = Fals
     capacity search waits for its own run), or with ``capacity`` twice the modes (a search's next replay can run
     ahead of the one it waits on: :func:`_runs_then_searches`). 1: everything in this process."""
     most = modes * (2 if capacity else 1)
-    n = jobs if jobs is not None else (min(usable_cpus(), most) if turns >= AUTO_JOBS_TURNS else 1)
+    n = jobs if jobs is not None else (usable_cpus() if turns >= AUTO_JOBS_TURNS else 1)
     return max(1, min(n, most))
 
 

@@ -643,8 +643,9 @@ class Scheduler:
             return 0
         rows = np.fromiter((r.row for r in pre), dtype=np.int64, count=len(pre))
         ctx = self.ctx[rows].tolist()
-        keep = np.stack([self._keep_one(self._chunk_len(r.prompt - r.prefilled, x, r.cuts)) for r, x in zip(pre, ctx)])
-        tl = self.layout.table_lens(self.head_lens[rows] + keep)
+        c = np.fromiter((self._chunk_len(r.prompt - r.prefilled, x, r.cuts) for r, x in zip(pre, ctx)),
+                        dtype=np.int64, count=len(pre))
+        tl = self.layout.table_lens(self.head_lens[rows] + self._keep(c))
         return int(self.bt.pages_needed(rows, tl).sum())
 
     def _decode_table_lens(self, rows: np.ndarray) -> np.ndarray:
