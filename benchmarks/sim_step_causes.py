@@ -10,7 +10,8 @@ could be admitted at the next step, among others (``Scheduler.declined``):
   leave no token budget to try it);
 * ``freed since``: the head failed before, but pages were freed since (a finished turn), so the next try may pass;
 * ``idle sessions``: a finished turn parked its session since the head's failed try (the next try evicts it);
-* ``head changed``: another turn is at the head of the queue.
+* ``head changed``: another turn is at the head of the queue;
+* ``too short``: the run would be one step (``tangram.harness.cluster.MIN_RUN_STEPS``), priced faster on its own.
 
 Run: ``python benchmarks/sim_step_causes.py TRACE [tangram-sim options...]`` (e.g. ``--mode tangram``); last
 line: one JSON object (counts). The wrapped methods change nothing: the run's outputs are those of ``tangram-sim``.
@@ -30,8 +31,8 @@ def main(argv: list[str]) -> int:
     steps: collections.Counter = collections.Counter()
     plan_run, schedule = S.Scheduler.plan_run, S.Scheduler.schedule
 
-    def plan_run_counted(self, max_steps=None):
-        r = plan_run(self, max_steps)
+    def plan_run_counted(self, max_steps=None, min_steps=1):
+        r = plan_run(self, max_steps, min_steps)
         declined["ran ahead" if r is not None else self.declined] += 1
         self._asked = True
         return r

@@ -835,7 +835,7 @@ class Scheduler:
         """Evict every cached prefix unit no row holds (end of a run, before a leak check); returns pages freed."""
         return self.pc.clear() if self.pc is not None else 0
     # ------------------------------------------------------------------ fast-forward
-    def plan_run(self, max_steps: int | None = None) -> StepRun | None:
+    def plan_run(self, max_steps: int | None = None, min_steps: int = 1) -> StepRun | None:
         """The longest run of coming steps that only advance the running set, or None.
 
         Call between ``update`` (or ``commit_run``) and the next ``schedule``. The steps ``schedule`` would plan
@@ -850,7 +850,7 @@ class Scheduler:
         during the run). Decode pages are counted per step, vectorised: a table with ``c`` free token slots takes
         a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
         interrupt such a run (an arrival, another replica's doing): the driver then commits the steps up to the one
-        in progress.
+        in progress. A run shorter than ``min_steps`` is declined ("too short").
         """
         run = self.running
         if not run:
@@ -925,6 +925,8 @@ class Scheduler:
             per, k = np.zeros(k_max, dtype=np.int64), k_max
         if k < 1:
             return self._decline("no free page")
+        if k < min_steps:
+            return self._decline("too short")
         if k < k_max:  # cut by memory: the steps after k neither complete a prompt nor happen
             chunks = [ch for ch in chunks if ch[0] <= k]
             if pre:

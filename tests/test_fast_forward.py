@@ -229,6 +229,30 @@ def test_plan_run_refuses_when_the_next_step_would_admit():
         assert s.waiting[0].rid != 99
 
 
+def test_plan_run_declines_runs_shorter_than_min_steps():
+    """``min_steps`` (the harness asks for 2: a lone step is priced faster by ``execute``) declines exactly the runs
+    shorter than it, leaving the scheduler as it was: the run planned without it is the same run."""
+    s = _busy_scheduler(3)
+    seen = set()
+    for _ in range(3000):
+        if not s.has_work():
+            break
+        ref = copy.deepcopy(s)
+        run = ref.plan_run()
+        if run is None:
+            assert s.plan_run(min_steps=2) is None and s.declined == ref.declined
+            _step(s)
+            continue
+        short = s.plan_run(min_steps=run.k + 1)
+        assert short is None and s.declined == "too short"
+        same = s.plan_run(min_steps=run.k)
+        assert same is not None and same.k == run.k and np.array_equal(same.alloc, run.alloc)
+        assert np.array_equal(same.chunk_ids, run.chunk_ids) and np.array_equal(same.decode_ids, run.decode_ids)
+        seen.add(run.k == 1)
+        s.commit_run(same, same.k)
+    assert seen == {True, False}, "needs runs of one step and longer ones"
+
+
 def test_commit_run_rejects_a_stale_run():
     s = _busy_scheduler(1)
     while s.plan_run() is None and s.has_work():

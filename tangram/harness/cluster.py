@@ -23,7 +23,8 @@ by each step's duration (priced or measured), so idle gaps cost nothing;
   it, a session it holds ended) cuts the run at the step in progress, which completes first, exactly as in the
   step-by-step path. A turn queued behind a run that admits nothing whatever waits (``Scheduler.run_admits_nothing``:
   the queue's head is blocked, or the batch is full) leaves its steps as they are, and the run goes on (an
-  overloaded replica's arrivals would otherwise cut most runs). ``fast_forward=False`` is that reference path.
+  overloaded replica's arrivals would otherwise cut most runs). A run of one step is taken step by step
+  (:data:`MIN_RUN_STEPS`). ``fast_forward=False`` is that reference path.
 * Running ahead: an executor with ``runs_ahead`` (the engine with ``ExecutorOptions.async_steps``) is driven by
   ``launch`` / ``complete``: while a step runs, the scheduler advances past it and the next step is planned and
   launched; the clock advances by each step's measured duration when it completes (``_steps_ahead``).
@@ -44,6 +45,9 @@ from tangram.plan import Executor, StepResult
 from tangram.scheduler import Scheduler
 
 ROUTERS = ("round-robin", "least-outstanding", "session-affinity")
+# Runs shorter than this go step by step: ``execute`` prices one step faster than ``execute_run`` prices a run of one
+# (a replay of the 12,000-request Mooncake-like trace has ~4,200 of them; reports/traces/README.md measures it).
+MIN_RUN_STEPS = 2
 
 
 @dataclass
@@ -203,7 +207,7 @@ class Cluster:
                 rep.wake = None
                 continue
             if ff:
-                run = sched.plan_run()
+                run = sched.plan_run(min_steps=MIN_RUN_STEPS)
                 if run is not None:
                     yield from self._fast_forward(rep, run)
                     if self.monitor is not None and self.monitor.check(env.now):
