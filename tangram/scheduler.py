@@ -909,6 +909,8 @@ class Scheduler:
                     break
         if k_max < 1:
             return self._decline("no step")
+        if k_max < min_steps:  # (memory only shortens it further: no need to count the pages)
+            return self._decline("too short")
         lens0 = self.head_lens[rows]
         if dec:
             tl0 = self._decode_table_lens(rows)
