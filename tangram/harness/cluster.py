@@ -45,8 +45,8 @@ from tangram.plan import Executor, StepResult
 from tangram.scheduler import Scheduler
 
 ROUTERS = ("round-robin", "least-outstanding", "session-affinity")
-# Runs shorter than this go step by step: ``execute`` prices one step faster than ``execute_run`` prices a run of one
-# (a replay of the 12,000-request Mooncake-like trace has ~4,200 of them; reports/traces/README.md measures it).
+# Runs shorter than this go step by step: a run of one step saves nothing over the step it stands for, and replays
+# declining them ran faster (the 12,000-request Mooncake-like trace has ~4,200; reports/traces/README.md).
 MIN_RUN_STEPS = 2
 
 
