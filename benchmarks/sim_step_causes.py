@@ -11,7 +11,9 @@ could be admitted at the next step, among others (``Scheduler.declined``):
 * ``freed since``: the head failed before, but pages were freed since (a finished turn), so the next try may pass;
 * ``idle sessions``: a finished turn parked its session since the head's failed try (the next try evicts it);
 * ``head changed``: another turn is at the head of the queue;
-* ``too short``: the run would be one step (``tangram.harness.cluster.MIN_RUN_STEPS``), taken as a single step.
+* ``too short``: the run would be one step (``tangram.harness.cluster.MIN_RUN_STEPS``), taken as a single step;
+* ``chunks not reserved``: a turn prefills whose chunks take their pages as they run (the dynamic mode) and it is
+  not one turn whose chunk waits for pages that making room cannot free (``Scheduler._stalled``).
 
 Run: ``python benchmarks/sim_step_causes.py TRACE [tangram-sim options...]`` (e.g. ``--mode tangram``); last
 line: one JSON object (counts). The wrapped methods change nothing: the run's outputs are those of ``tangram-sim``.

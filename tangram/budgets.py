@@ -82,6 +82,7 @@ class BudgetProfile:
     scope: str = "per-layer"  # the budget scope the retention samples were taken under (SCOPES)
     # chunk_retention's last draws, {(seed, key, start): [L, H]}: a replay draws a third of its chunks again soon after
     _drawn: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _targets: tuple | None = field(default=None, init=False, repr=False, compare=False)  # _retention's, kept
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -132,11 +133,21 @@ class BudgetProfile:
         return self._retention(rng.standard_normal((n,) + self.shape))
 
     def _retention(self, z: np.ndarray) -> np.ndarray:
-        r = np.clip(self.mu[None] + self.sigma[None] * z, 1e-4, 1.0)
-        targets = layer_targets(self.method, self.scope, self.shape[0], self.rho)
-        if targets is None:  # cross-layer: one threshold fixes only the total
-            return _rescale_layer_mean(r.reshape(r.shape[0], -1), self.rho).reshape(r.shape)
-        return _rescale_layer_mean(r, targets[:, None])
+        r = np.clip(self.mu + self.sigma * z, 1e-4, 1.0)
+        # the rescale's targets depend on the profile alone: kept (the dynamic mode draws every prefill chunk)
+        key = (self.method, self.scope, self.shape, float(self.rho))
+        c = self._targets
+        if c is None or c[0] != key:
+            targets = layer_targets(self.method, self.scope, self.shape[0], self.rho)
+            if targets is None:  # cross-layer: one threshold fixes only the total
+                c = (key, True, self.rho, _rescale_need(self.rho, int(np.prod(self.shape))))
+            else:
+                c = (key, False, targets[:, None], _rescale_need(targets[:, None], self.shape[1]))
+            self._targets = c
+        _, flat, rho, need = c
+        if flat:
+            return _rescale_layer_mean(r.reshape(r.shape[0], -1), rho, need).reshape(r.shape)
+        return _rescale_layer_mean(r, rho, need)
 
     def chunk_retention(self, seed: int, rids, starts) -> np.ndarray:
         """Realised retention [n, L, H] of prefill chunks, one draw per (key, chunk start); the key is a request id,
@@ -282,7 +293,7 @@ def group_sums(B: np.ndarray, perm: np.ndarray, heads_per_group: int) -> np.ndar
 # --------------------------------------------------------------------------- synthetic profiles
 
 
-def _rescale_layer_mean(r: np.ndarray, rho) -> np.ndarray:
+def _rescale_layer_mean(r: np.ndarray, rho, need: np.ndarray | None = None) -> np.ndarray:
     """Scale ratios so the mean over the last axis is rho (a scalar, or an array broadcasting against
     ``r.shape[:-1] + (1,)``) while staying in (0, 1]: ``min(1, s r)`` with the exact multiplier s.
 
@@ -292,13 +303,17 @@ def _rescale_layer_mean(r: np.ndarray, rho) -> np.ndarray:
     bisection took 30 rounds of numpy calls (the simulator's dynamic mode runs this for every prefill step, on
     arrays small enough that each call's overhead is its cost) and stopped ~1e-6 short of exact.
     """
-    H = r.shape[-1]
-    rho = np.broadcast_to(np.asarray(rho, dtype=np.float64), r.shape[:-1] + (1,))
+    if need is None:
+        need = _rescale_need(rho, r.shape[-1])
     rest = np.cumsum(np.sort(r, axis=-1), axis=-1)  # [..., j]: the j + 1 smallest, S_k for k = H - 1 - j
-    need = H * rho - np.arange(H - 1, -1, -1)  # H rho - k
     s = np.divide(need, rest, out=np.zeros(np.broadcast_shapes(need.shape, rest.shape)),
                   where=(need > 0) & (rest > 0)).max(axis=-1, keepdims=True)
     return np.clip(r * s, 1e-4, 1.0)
+
+
+def _rescale_need(rho, H: int) -> np.ndarray:
+    """``H rho - k`` for k = H - 1 .. 0, [..., H] (:func:`_rescale_layer_mean`, whose ``rho`` it takes)."""
+    return H * np.asarray(rho, dtype=np.float64) - np.arange(H - 1, -1, -1)
 
 
 def synthetic_profile(num_layers: int, num_kv_heads: int, rho: float, *, alpha: float = 2.0, seed: int = 0,

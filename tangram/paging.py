@@ -12,6 +12,7 @@ counts below are all in slot order.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -96,8 +97,12 @@ class KVLayout:
         return 2 * self.head_dim * self.dtype_bytes
 
     def to_slots(self, x: np.ndarray) -> np.ndarray:
-        """Reorder a [..., L, H] per-head array from KV-head order into slot order."""
-        return np.take_along_axis(np.asarray(x), np.broadcast_to(self.perm, np.shape(x)), axis=-1)
+        """Reorder a [..., L, H] per-head array from KV-head order into slot order (one fancy index: the dynamic
+        mode reorders every prefill step's draws, and ``take_along_axis`` builds its index anew each call)."""
+        x = np.asarray(x)
+        if x.shape[-2:] != self.perm.shape:
+            raise ValueError(f"to_slots: expected [..., {self.perm.shape[0]}, {self.perm.shape[1]}], got {x.shape}")
+        return x[..., _layer_rows(self.perm.shape[0]), self.perm]
 
     def table_lens(self, head_lens: np.ndarray) -> np.ndarray:
         """Tokens each table must hold [..., T]: the longest head it serves."""
@@ -584,6 +589,14 @@ class ParkedTables:
         tab[col < s[:, None]] = self.head
         tab[(col >= s[:, None]) & (col < n[:, None])] = self.own
         return tab[col < n[:, None]]
+
+
+@functools.lru_cache(maxsize=8)
+def _layer_rows(L: int) -> np.ndarray:
+    """[L, 1] layer index (read-only), to pair with a [L, H] per-layer permutation in one fancy index."""
+    a = np.arange(L)[:, None]
+    a.flags.writeable = False
+    return a
 
 
 CAP_ALIGN = 16  # Triton's integer-specialisation divisor

@@ -48,6 +48,8 @@ class StepPlan:
     # prices copies by count and reads no id)
     copy_src: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     copy_dst: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # no id repeats in copy_src (one turn's copy sources): the scheduler unpins them after the step without a sort
+    copy_src_distinct: bool = False
 
     @property
     def num_decode(self) -> int:

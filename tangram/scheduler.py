@@ -472,7 +472,8 @@ class Scheduler:
             self._prefix_peaks()
         return StepPlan(self._step, d_ids, d_rows, d_ctx, d_lens, p_ids, p_rows, p_start, p_tok, p_last,
                         p_before, p_keep, p_pages, dict(self._counters), self.retention,
-                        prefill_key=p_key, copy_src=c_src, copy_dst=c_dst)
+                        prefill_key=p_key, copy_src=c_src, copy_dst=c_dst,
+                        copy_src_distinct=len(self._copies) == 1)
 
     def _prefix_peaks(self) -> None:
         st, pool = self.stats, self.pool
@@ -505,9 +506,11 @@ class Scheduler:
                 hit, base, shared = units[-1].end, units[-1].lens, int(units[-1].stable.sum())
             tl_final, pages = self._final_sizes(req, prompt, hit, base, cuts)
             need = max(0, pages - held - shared)
-            # The turn's pages and the copy sources of its last unit must fit together; if they never can, reuse a
-            # shorter prefix (found by the hypothesis test: a turn waited forever behind the units it hit)
-            if not units or need + held + shared + units[-1].tail_ids.size <= self.pool.num_pages:
+            # The turn's pages and every page the units it hits keep resident (held by it, they cannot be evicted:
+            # their shared pages, the last one's copy sources, and an earlier one's copy sources too) must fit
+            # together; if they never can, reuse a shorter prefix (found by the hypothesis test: a turn waited
+            # forever behind the units it hit, first for the last unit's copy sources, then for an earlier one's)
+            if not units or need + held + self._resident(units) <= self.pool.num_pages:
                 break
             units.pop()
             while units and not units[-1].endable:
@@ -591,6 +594,15 @@ class Scheduler:
         self._counters["admitted"] += 1
         self._events.append(Event(req.rid, "admitted", "resident" if resident else "recompute"))
         return True
+
+    @staticmethod
+    def _resident(units: list) -> int:
+        """Distinct pages the prefix units ``units`` (one lineage) keep resident while a turn holds them: their pages
+        and copy sources (a partial page may be listed by consecutive units, and become a later unit's page)."""
+        n = sum(u.ids.size + u.tail_ids.size for u in units)
+        if n == 0 or all(u.tail_ids.size == 0 for u in units[:-1]):  # no earlier copy source: nothing repeats
+            return n
+        return int(np.unique(np.concatenate([a for u in units for a in (u.ids, u.tail_ids)])).size)
 
     def _final_sizes(self, req: Request, prompt: int, hit: int, base: np.ndarray | None, cuts: np.ndarray | None
                      ) -> tuple[np.ndarray, int]:
@@ -780,7 +792,7 @@ class Scheduler:
             self.stats.pages_reclaimed += reclaimed
             self.stats.pages_freed += reclaimed
         if plan.copy_src.size:  # the step copied them
-            self.stats.pages_freed += self.pool.unpin(plan.copy_src)
+            self.stats.pages_freed += self.pool.unpin(plan.copy_src, distinct=plan.copy_src_distinct)
             self._blocked = None  # unpinned copy sources may be the cache's alone now: the next admission can drop them
         if self.pc is not None and plan.num_prefill:  # the chunks ran: cache the chain's pages they completed
             for rid in plan.prefill_ids.tolist():
@@ -843,7 +855,8 @@ class Scheduler:
         ones their chunks (the token budget's order): no turn finishes or completes its prompt before the run's
         last step, the pages decode takes fit the free pool without evicting, chunks take no page (their pages
         were reserved at admission: prefilling turns are only run ahead under exact reservation, and not in the
-        dynamic mode, whose keep the executor decides), and no turn is admitted. The last holds when nothing waits,
+        dynamic mode, whose keep the executor decides; without reservation only a turn whose chunk waits for pages
+        at every step, :meth:`_stalled`, which the run leaves waiting), and no turn is admitted. The last holds when nothing waits,
         the batch is at ``max_num_seqs``, or this scheduler's last step already failed to admit the queue's head
         and nothing has freed pages or parked a session since: the next attempts fail the same way, without side
         effects (a failed admission has evicted every idle session but the head's own, and memory only shrinks
@@ -871,7 +884,9 @@ class Scheduler:
             blocked = b[0]
         dec, rows, ids, pre = self._partition()
         if pre and (not self.engine.reserve_exact or self.retention == "global"):
-            return self._decline("chunks not reserved")
+            if not (dec and self._stalled(pre)):
+                return self._decline("chunks not reserved")
+            pre = []  # its chunk waits for pages at every step of the run: decode steps alone
         if any(r.pending_copy is not None for r in pre):  # a hit's copy-on-write runs with its first chunk
             return self._decline("copy-on-write")
         # A chain's chunks are cut at its segment ends (``_chunk_len``), and a chunk that reaches the next chain
@@ -939,6 +954,23 @@ class Scheduler:
         self._run = (out, dec, blocked, self.pool.n_free, attempted_last if pre else True, tl0 if dec else None)
         self.declined = None
         return out
+
+    def _stalled(self, pre: list) -> bool:
+        """Whether the one prefilling turn's next chunk waits for pages at every coming step that only decodes
+        (chunks take their pages as they run: ``budget_reservation`` off, the dynamic mode's default): its pages do
+        not fit the free pool, which the run only shrinks, and making room cannot free any: no idle session or
+        cached unit to evict, no copy source to drop, and no running turn to preempt (only a prefilling turn not
+        in the step can be; a second one would be, so one alone qualifies). Such a step is a fixed point, as a
+        blocked queue head is: the attempt changes nothing, and nothing frees pages until a turn finishes."""
+        if len(pre) != 1 or self.idle:
+            return False
+        pc = self.pc
+        if pc is not None and (pc.idle or pc.droppable() is not None):
+            return False
+        r = pre[0]
+        c = self._chunk_len(r.prompt - r.prefilled, int(self.ctx[r.row]), r.cuts)
+        tl = self.layout.table_lens(self.head_lens[r.row] + self._keep_one(c))[None]
+        return int(self.bt.pages_needed(np.array([r.row]), tl).sum()) > self.pool.n_free
 
     def _decline(self, why: str) -> None:
         """:meth:`plan_run` runs nothing ahead; ``declined`` says why (read by benchmarks/sim_step_causes.py)."""

@@ -90,6 +90,19 @@ def test_mooncake_import_identical(tmp_path):
         assert a["prefix_hits"] > 0
 
 
+@pytest.mark.parametrize("seed,pool_gib", [(3, 3), (5, 4)])
+def test_mooncake_import_dynamic_identical(tmp_path, seed, pool_gib):
+    """The dynamic mode (chunks take their pages as they run) with the prefix cache in a small pool: runs go past
+    a prefilling turn whose chunk waits for pages only while making room could free none (no idle unit, no copy
+    source to drop: the queue head's failed admission leaves its hit's units idle for the next step's chunk to
+    evict). Both pools fail without the prefix-cache condition of ``Scheduler._stalled``."""
+    syn = generate_mooncake(160, seed=seed, duration_s=60.0)
+    write_mooncake(syn.records, tmp_path / "mc.jsonl")
+    a, _ = assert_same_replay(import_mooncake(tmp_path / "mc.jsonl"), _spec(kv_pool_bytes=pool_gib * 2**30),
+                              "dynamic")
+    assert a["prefix_hits"] > 0 and a["preemptions"] > 0
+
+
 def test_unchecked_pool_replays_as_the_checked_one(tmp_path, monkeypatch):
     """The replay's hot path runs the page pool without its per-call checks (``PagePool.validate`` off, the
     default outside the tests): the same Mooncake import under memory pressure (prefix-cache evictions, dropped
@@ -144,13 +157,13 @@ def test_runtime_and_static_partitions_identical():
 # --------------------------------------------------------------------------- scheduler
 
 
-def _busy_scheduler(seed: int, mode: str = "tangram") -> Scheduler:
+def _busy_scheduler(seed: int, mode: str = "tangram", pages: tuple[int, int] = (120, 400)) -> Scheduler:
     rng = np.random.default_rng(seed)
     L, H = 4, 4
     model = dataclasses.replace(LLAMA, name="tiny", num_layers=L, num_kv_heads=H, num_q_heads=2 * H, head_dim=8,
                                 max_context=100_000)
     eng = EngineConfig(mode=mode, heads_per_group=2, page_size=4, chunk_size=64, max_batched_tokens=160)
-    s = Scheduler(model, eng, synthetic_profile(L, H, 0.3, seed=seed), num_pages=int(rng.integers(120, 400)))
+    s = Scheduler(model, eng, synthetic_profile(L, H, 0.3, seed=seed), num_pages=int(rng.integers(*pages)))
     for i in range(int(rng.integers(3, 9))):
         s.add_request(i, f"s{i}", int(rng.integers(5, 150)), int(rng.integers(5, 80)))
     return s
@@ -172,9 +185,29 @@ def _no_result(plan):
 def test_commit_run_equals_single_steps(seed):
     """Each run found while a busy scheduler drains: committing j of its k steps (random j) leaves the state
     j schedule/update pairs leave, and plan(i) is exactly the plan schedule() emits."""
-    rng = np.random.default_rng(seed)
     s = _busy_scheduler(seed, mode=["tangram", "full", "dynamic", "br"][seed % 4])
-    runs = chunks = 0
+    runs, chunks, _ = _runs_equal_single_steps(s, np.random.default_rng(seed))
+    assert runs > 0
+    if s.engine.reserve_exact:
+        assert chunks > 0, "no run carried a prefill chunk"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_commit_run_past_a_stalled_chunk_equals_single_steps(seed):
+    """Without budget reservation (the dynamic mode) a prefilling turn takes its chunk's pages as it runs; in a
+    pool too small for the batch, its chunk waits for pages while the others decode. Runs found with such a
+    turn waiting (``Scheduler._stalled``) leave it waiting at each step, as the single steps do."""
+    s = _busy_scheduler(seed, mode="dynamic", pages=(90, 140))
+    for i in range(int(np.random.default_rng(seed).integers(3, 6))):  # a longer prompt and a longer queue
+        s.add_request(100 + i, f"t{i}", 200, 40)
+    runs, _, stalled = _runs_equal_single_steps(s, np.random.default_rng(seed + 100))
+    assert stalled > 0, "no run was planned past a waiting chunk: the test would prove nothing"
+
+
+def _runs_equal_single_steps(s: Scheduler, rng) -> tuple[int, int, int]:
+    """Drain ``s``; at each run it finds, commit a random number of its steps and compare with a copy advanced step
+    by step. Returns (runs, prefill chunks inside runs, runs planned while a turn was prefilling)."""
+    runs = chunks = stalled = 0
     for _ in range(3000):
         if not s.has_work():
             break
@@ -183,6 +216,7 @@ def test_commit_run_equals_single_steps(seed):
             _step(s)
             continue
         runs += 1
+        stalled += bool(s._partition()[3]) and run.chunk_ids.size == 0
         ref = copy.deepcopy(s)
         j = int(rng.integers(1, run.k + 1))
         for i in range(1, j + 1):
@@ -210,9 +244,8 @@ def test_commit_run_equals_single_steps(seed):
             pb, _ = _step(ref)
             assert np.array_equal(pa.decode_ids, pb.decode_ids) and np.array_equal(pa.prefill_ids, pb.prefill_ids)
             assert pa.counters == pb.counters
-    assert runs > 0
-    if s.engine.reserve_exact:
-        assert chunks > 0, "no run carried a prefill chunk"
+    assert not s.has_work(), "the scheduler did not drain"
+    return runs, chunks, stalled
 
 
 def test_plan_run_refuses_when_the_next_step_would_admit():
