@@ -15,6 +15,7 @@ from tangram.config import EngineConfig, ModelConfig, get_gpu, get_model
 from tangram.paging import KVLayout
 from tangram.planner import DecodeCosts, decode_layer_times, runtime_plan
 from tangram.scheduler import Scheduler
+from tangram.sim import costmodel
 from tangram.sim.costmodel import CostModel, CostParams
 from tangram.sim.tables import CostTables, resolve, tables_dir_for
 from tangram.sim.transfer import rescale, write_tables
@@ -239,8 +240,25 @@ def test_prices_of_a_runs_steps_at_once_equal_each_step_alone(mode, part, fitted
         assert t[i] == alone and fixed[i] == cm._dec_fixed, (i, t[i], alone)
 
 
+def test_kept_launch_shapes_stay_within_their_byte_budget(monkeypatch):
+    """The launch shapes a cost model keeps are bounded by their arrays' bytes (``LAUNCH_CACHE_BYTES``), oldest
+    dropped first, and the running count matches what is kept."""
+    eng = EngineConfig(mode="tangram")
+    sched = Scheduler(LLAMA, eng, synthetic_profile(LLAMA.num_layers, LLAMA.num_kv_heads, 0.25, seed=3),
+                      pool_bytes=2**30)
+    cm = CostModel(LLAMA, H100, eng, sched.layout, sched.profile)
+    cm._launches.clear()
+    cm._launch_bytes = 0
+    one = costmodel._launch_bytes(cm._launch(None, np.full((2, 4), 2, dtype=np.int64), (2, 2, 2)))
+    monkeypatch.setattr(costmodel, "LAUNCH_CACHE_BYTES", 3 * one)
+    for i in range(10):
+        cm._launch(("shape", i), np.full((2, 4), 2, dtype=np.int64), (2, 2, 2))
+    assert list(cm._launches) == [("shape", 7), ("shape", 8), ("shape", 9)]
+    assert cm._launch_bytes == sum(costmodel._launch_bytes(h) for h in cm._launches.values()) == 3 * one
+
+
 @pytest.mark.parametrize("part", ["static", "aot"])
-def test_a_pricing_of_several_launch_shapes_survives_the_kept_shapes_turning_over(part):
+def test_a_pricing_of_several_launch_shapes_survives_the_kept_shapes_turning_over(part, monkeypatch):
     """One pricing whose points need several launch shapes, one of them kept but the oldest of a full set of kept
     shapes: building the shape it lacks pushes the kept one out before it is read. Crashed the capacity search
     (full mode, a run crossing a split-count boundary: `int() argument ... not 'NoneType'`); each point must still
@@ -265,8 +283,10 @@ def test_a_pricing_of_several_launch_shapes_survives_the_kept_shapes_turning_ove
     hit = cm._launches[keep]
     cm._launches.clear()
     cm._launches[keep] = hit
-    for i in range(63):  # fill the kept set with other shapes (each priced once)
+    cm._launch_bytes = costmodel._launch_bytes(hit)
+    for i in range(63):  # fill the kept set with other shapes (each priced once), then hold it at its bytes
         cm._launch(("filler", i), np.full((1, 2), 1 + i % 3, dtype=np.int64), (2, 1, 1))
+    monkeypatch.setattr(costmodel, "LAUNCH_CACHE_BYTES", cm._launch_bytes)
     assert len(cm._launches) == 64 and next(iter(cm._launches)) == keep
     t, _ = cm._decode_prices(lens0, offs, ctx)
     np.testing.assert_array_equal(t, want_t)
