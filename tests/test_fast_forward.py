@@ -204,6 +204,30 @@ def test_commit_run_past_a_stalled_chunk_equals_single_steps(seed):
     assert stalled > 0, "no run was planned past a waiting chunk: the test would prove nothing"
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_commit_run_past_a_stalled_chunk_with_shared_prefixes_equals_single_steps(seed):
+    """As above with turns over shared prefix chains, with and without the session cache: a stalled chunk's attempt
+    would evict an idle prefix unit (one a finished turn or the queue head's failed admission let go of) or drop a
+    copy source only the cache keeps, so no run may go past it then. Seeds 2, 5, 7, 12, 14 fail without the
+    idle-unit condition of ``Scheduler._stalled``, seeds 7 and 13 without the copy-source one."""
+    rng = np.random.default_rng(seed)
+    L, H = 2, 4
+    model = dataclasses.replace(LLAMA, name="tiny", num_layers=L, num_kv_heads=H, num_q_heads=2 * H, head_dim=8,
+                                max_context=100_000)
+    chains = [(("a", 40),), (("a", 40), ("b", 70)), (("c", 100),)]
+    stalled = 0
+    for session_cache in (False, True):
+        eng = EngineConfig(mode="dynamic", heads_per_group=2, page_size=4, chunk_size=32, max_batched_tokens=80,
+                           session_cache=session_cache)
+        s = Scheduler(model, eng, synthetic_profile(L, H, 0.3, seed=seed), num_pages=int(rng.integers(60, 160)))
+        for i in range(int(rng.integers(4, 10))):
+            ch = chains[int(rng.integers(0, 3))]
+            s.add_request(i, f"s{i}", sum(n for _, n in ch) + int(rng.integers(5, 120)), int(rng.integers(5, 60)),
+                          prefix=ch)
+        stalled += _runs_equal_single_steps(s, np.random.default_rng(seed))[2]
+    assert stalled > 0, "no run was planned past a waiting chunk: the test would prove nothing"
+
+
 def _runs_equal_single_steps(s: Scheduler, rng) -> tuple[int, int, int]:
     """Drain ``s``; at each run it finds, commit a random number of its steps and compare with a copy advanced step
     by step. Returns (runs, prefill chunks inside runs, runs planned while a turn was prefilling)."""
