@@ -222,6 +222,35 @@ def test_worker_goes_on_after_a_trial_another_worker_completed(monkeypatch):
         st_mod.run_worker(study, ev, space, setup, 6)
 
 
+@pytest.mark.parametrize("storage", ["memory", "sqlite"])
+def test_worker_goes_on_after_its_trial_was_failed_as_stale(tmp_path, storage):
+    """A worker whose heartbeats came late (a loaded machine) finds its trial failed by another worker's stale
+    check when it tells the result: Optuna raises UpdateFinishedTrialError from an RDB storage (seen in CI,
+    2026-12-08, ending a two-worker tuning run with exit 1), "Cannot tell a FAIL trial" from memory. The worker must
+    carry on and still stop at n_trials."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from tangram.tuning import study as st_mod
+
+    space = SearchSpace(heads_per_group=(1, 2, 4, 8))
+    setup = st_mod.Setup("m", "g", "t", "", "single", 0.1, 0, True, None)
+    url = None if storage == "memory" else st_mod.make_storage(f"sqlite:///{tmp_path / 's.db'}", heartbeat_s=None)
+    study = optuna.create_study(storage=url, direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    failed = []
+
+    def ev(params):
+        if not failed:  # meanwhile another worker's stale check fails this worker's running trial
+            t = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))[0]
+            study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+            failed.append(t.number)
+        return {"load_rps": params["alpha"], "overflow": 0.0}
+
+    st_mod.run_worker(study, ev, space, setup, 3)
+    assert failed and st_mod.n_complete(study) == 3
+    assert study.trials[failed[0]].state == TrialState.FAIL
+
+
 def test_accuracy_floor_picks_a_configuration_that_meets_it(tmp_path, tiny_trace):
     """With a measured accuracy table the trials record accuracy at their kept share, the best configuration
     meets the floor and the report states its accuracy; without a table a floor is refused in one line."""

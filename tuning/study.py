@@ -202,11 +202,15 @@ def run_worker(study, evaluator: Evaluator, space: SearchSpace, setup: Setup, n_
                                           setup.accuracy_floor),
                            n_trials=budget, callbacks=cbs, catch=())
             return
-        except ValueError as e:
+        except (ValueError, optuna.exceptions.UpdateFinishedTrialError) as e:
             # Two workers can pop the same WAITING (enqueued) trial on SQLite: Optuna reads its state and marks it
             # RUNNING in one unlocked transaction each, so both run it and the slower one's tell finds it
             # COMPLETE. The other worker stored the same parameters' result, so nothing is lost; go on.
-            if "Cannot tell a COMPLETE trial" not in str(e):
+            # Likewise a trial whose heartbeats came late (a loaded machine: seen in CI with two test runs at once)
+            # is failed as stale by another worker, which enqueues its retry; this worker's tell then finds it
+            # finished (UpdateFinishedTrialError, or "Cannot tell a FAIL trial" where Optuna reads the state first).
+            # The retry runs it again; go on.
+            if isinstance(e, ValueError) and not any(f"Cannot tell a {s} trial" in str(e) for s in ("COMPLETE", "FAIL")):
                 raise
             mine = [t for t in study.get_trials(deepcopy=False)[before:] if t.user_attrs.get("worker_pid") == os.getpid()]
             budget -= max(1, len(mine))
