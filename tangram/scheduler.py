@@ -856,12 +856,12 @@ class Scheduler:
         last step, the pages decode takes fit the free pool without evicting, chunks take no page (their pages
         were reserved at admission: prefilling turns are only run ahead under exact reservation, and not in the
         dynamic mode, whose keep the executor decides; without reservation only a turn whose chunk waits for pages
-        at every step, :meth:`_stalled`, which the run leaves waiting), and no turn is admitted. The last holds when nothing waits,
-        the batch is at ``max_num_seqs``, or this scheduler's last step already failed to admit the queue's head
-        and nothing has freed pages or parked a session since: the next attempts fail the same way, without side
-        effects (a failed admission has evicted every idle session but the head's own, and memory only shrinks
-        during the run). Decode pages are counted per step, vectorised: a table with ``c`` free token slots takes
-        a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
+        at every step, :meth:`_stalled`, which the run leaves waiting), and no turn is admitted. The last holds when
+        nothing waits, the batch is at ``max_num_seqs``, or this scheduler's last step already failed to admit the
+        queue's head and nothing has freed pages or parked a session since: the next attempts fail the same way,
+        without side effects (a failed admission has evicted every idle session but the head's own, and memory only
+        shrinks during the run). Decode pages are counted per step, vectorised: a table with ``c`` free token slots
+        takes a page at steps ``c+1, c+1+P, ...``; the run stops before the step the pool could not serve. Only time can
         interrupt such a run (an arrival, another replica's doing): the driver then commits the steps up to the one
         in progress. A run shorter than ``min_steps`` is declined ("too short").
         """

@@ -210,7 +210,8 @@ def run_worker(study, evaluator: Evaluator, space: SearchSpace, setup: Setup, n_
             # is failed as stale by another worker, which enqueues its retry; this worker's tell then finds it
             # finished (UpdateFinishedTrialError, or "Cannot tell a FAIL trial" where Optuna reads the state first).
             # The retry runs it again; go on.
-            if isinstance(e, ValueError) and not any(f"Cannot tell a {s} trial" in str(e) for s in ("COMPLETE", "FAIL")):
+            told = ("Cannot tell a COMPLETE trial", "Cannot tell a FAIL trial")
+            if isinstance(e, ValueError) and not any(m in str(e) for m in told):
                 raise
             mine = [t for t in study.get_trials(deepcopy=False)[before:] if t.user_attrs.get("worker_pid") == os.getpid()]
             budget -= max(1, len(mine))
